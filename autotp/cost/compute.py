@@ -1,0 +1,45 @@
+"""Roofline compute time of one op on its local shapes.
+
+``max(flops / (peak[dtype] * matmul_efficiency), bytes / (hbm_bw * memory_efficiency)) + launch``,
+times ``1 + backward_compute_factor`` when the op is differentiated in training.
+Views cost nothing: no kernel runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autotp.graph.flops import is_alias, op_bytes, op_flops
+from autotp.graph.opgraph import KIND_OP, TensorMeta
+from autotp.placement import local_shape
+
+
+def local_metas(metas, layouts, mesh_shape) -> list[TensorMeta]:
+    return [TensorMeta(local_shape(m.shape, lay, mesh_shape), m.dtype) for m, lay in zip(metas, layouts)]
+
+
+def _compute_dtype(op):
+    """The dtype whose peak bounds the op; integer and bool ops are costed at the fp32 peak."""
+    floats = [m.dtype for m in op.in_metas + op.out if m.is_float]
+    return floats[0] if floats else torch.float32
+
+
+def forward_time_s(op, strategy, mesh, profile) -> float:
+    """One forward execution of ``op`` under ``strategy``, on one device."""
+    if op.kind != KIND_OP or is_alias(op.target):
+        return 0.0
+    shape = mesh.shape
+    ins = local_metas(op.in_metas, strategy.ins, shape)
+    outs = local_metas(op.out, [strategy.out] * len(op.out), shape)
+    dev = profile.device
+    flops_s = op_flops(op.target, ins, outs) / (profile.peak_flops(_compute_dtype(op)) * dev["matmul_efficiency"])
+    bytes_s = op_bytes(op.target, ins, outs) / (dev["memory_bandwidth_Bps"] * dev["memory_efficiency"])
+    return max(flops_s, bytes_s) + dev["launch_overhead_s"]
+
+
+def compute_time_s(op, strategy, mesh, profile, training: bool) -> float:
+    """Forward time, plus the backward's when ``training`` and the op is differentiated."""
+    fwd = forward_time_s(op, strategy, mesh, profile)
+    if training and op.requires_grad:
+        return fwd * (1.0 + profile.device["backward_compute_factor"])
+    return fwd

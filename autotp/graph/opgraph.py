@@ -1,0 +1,192 @@
+"""`OpGraph`: the captured program as a networkx DiGraph of frozen `OpNode`s.
+
+Every fx node that produces tensors becomes an `OpNode` keyed by its fx name.
+Edges run producer -> consumer and carry ``inputs``, the positions of the
+consumer's tensor inputs that the producer feeds (an op may use one tensor
+twice, as in ``mul(x, x)``).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autotp.graph.flops import op_bytes, op_flops
+
+KIND_INPUT, KIND_PARAM, KIND_BUFFER, KIND_OP, KIND_OUTPUT = "input", "param", "buffer", "op", "output"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of one tensor; the only facts planning needs."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+
+
+def _meta_of(value):
+    if isinstance(value, torch.Tensor):
+        return TensorMeta(tuple(int(s) for s in value.shape), value.dtype)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return tuple(_meta_of(v) for v in value)
+    return None
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One node of the program: what it computes and on which tensors.
+
+    ``args``/``kwargs`` are the fx arguments with every input Node replaced by
+    its `TensorMeta`, so strategy rules are pure functions of this record.
+    ``out`` is a tuple of metas (one for most ops, several for ``split``).
+    """
+
+    name: str
+    kind: str
+    target: object
+    args: tuple
+    kwargs: dict = field(hash=False)
+    inputs: tuple[str, ...]
+    in_metas: tuple[TensorMeta, ...]
+    out: tuple[TensorMeta, ...]
+    multi_output: bool
+    flops: int
+    bytes: int
+    requires_grad: bool
+    fqn: str | None = None
+
+    @property
+    def op_name(self) -> str:
+        return getattr(self.target, "__name__", str(self.target)) if self.kind == KIND_OP else self.kind
+
+
+def tensor_input_nodes(node: fx.Node) -> list[fx.Node]:
+    """The fx Nodes among ``node``'s args and kwargs, in flattened order, repeats kept."""
+    leaves, _ = pytree.tree_flatten((node.args, node.kwargs))
+    return [leaf for leaf in leaves if isinstance(leaf, fx.Node)]
+
+
+class OpGraph:
+    """The program as a DiGraph of `OpNode`s, in the fx graph's topological order."""
+
+    def __init__(self, graph: nx.DiGraph, order: list[str], outputs: list[str]):
+        self.graph = graph
+        self.order = order
+        self.outputs = outputs
+
+    def node(self, name: str) -> OpNode:
+        return self.graph.nodes[name]["op"]
+
+    def nodes(self):
+        return [self.graph.nodes[n]["op"] for n in self.order]
+
+    def consumers(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
+        return [(v, self.graph.edges[name, v]["inputs"]) for v in self.graph.successors(name)]
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+def _kind(node: fx.Node, params: set, buffers: set) -> str:
+    if node.op == "placeholder":
+        return KIND_INPUT
+    if node.op == "get_attr":
+        return KIND_PARAM if node.target in params else KIND_BUFFER
+    if node.op == "output":
+        return KIND_OUTPUT
+    return KIND_OP
+
+
+def build_opgraph(gm: fx.GraphModule, input_requires_grad=None) -> OpGraph:
+    """Turn a captured GraphModule into an `OpGraph` with shapes, FLOPs and bytes.
+
+    ``input_requires_grad`` maps placeholder names to whether their gradient is
+    wanted; gradients of user inputs cost an extra all-reduce in some plans.
+    """
+    input_requires_grad = input_requires_grad or {}
+    params = {n: p.requires_grad for n, p in gm.named_parameters()}
+    buffers = {n for n, _ in gm.named_buffers()}
+    g, order, metas, grads, outputs = nx.DiGraph(), [], {}, {}, []
+    for node in gm.graph.nodes:
+        kind = _kind(node, set(params), buffers)
+        producers = tensor_input_nodes(node)
+        if kind == KIND_OUTPUT:
+            outputs = [p.name for p in producers]
+            continue
+        out = _meta_of(node.meta.get("val"))
+        if out is None and kind == KIND_PARAM:
+            t = gm.get_parameter(node.target)
+            out = TensorMeta(tuple(t.shape), t.dtype)
+        if out is None:
+            continue  # a node with no tensor output (e.g. a scalar) is left as is
+        multi = isinstance(out, tuple)
+        outs = out if multi else (out,)
+        ins = tuple(_input_meta(node, metas[p.name]) for p in producers if p.name in metas)
+        in_names = tuple(p.name for p in producers if p.name in metas)
+        requires_grad = _requires_grad(kind, node, params, input_requires_grad, in_names, grads, outs)
+        op = OpNode(
+            name=node.name, kind=kind, target=node.target,
+            args=pytree.tree_map(lambda a: _sub(a, metas), node.args),
+            kwargs=pytree.tree_map(lambda a: _sub(a, metas), dict(node.kwargs)),
+            inputs=in_names, in_metas=ins, out=outs, multi_output=multi,
+            flops=op_flops(node.target, ins, outs) if kind == KIND_OP else 0,
+            bytes=op_bytes(node.target, ins, outs) if kind == KIND_OP else 0,
+            requires_grad=requires_grad,
+            fqn=node.target if kind in (KIND_PARAM, KIND_BUFFER) else None,
+        )
+        metas[node.name] = outs[0] if not multi else outs
+        grads[node.name] = requires_grad
+        g.add_node(node.name, op=op)
+        order.append(node.name)
+        for i, producer in enumerate(in_names):
+            edge = g.edges[producer, node.name] if g.has_edge(producer, node.name) else None
+            if edge is None:
+                g.add_edge(producer, node.name, inputs=(i,))
+            else:
+                edge["inputs"] = edge["inputs"] + (i,)
+    return OpGraph(g, order, outputs)
+
+
+def _input_meta(node: fx.Node, meta):
+    """The meta a consumer sees: ``getitem(split, i)`` sees the i-th piece of the split."""
+    if isinstance(meta, tuple):
+        return meta[node.args[1]] if node.target is operator.getitem else meta[0]
+    return meta
+
+
+def _sub(arg, metas):
+    if isinstance(arg, fx.Node):
+        m = metas.get(arg.name)
+        return m if m is not None else arg.name
+    return arg
+
+
+def _requires_grad(kind, node, params, input_requires_grad, in_names, grads, outs) -> bool:
+    if kind == KIND_PARAM:
+        return params[node.target]
+    if kind == KIND_INPUT:
+        return bool(input_requires_grad.get(node.name, False)) and outs[0].is_float
+    if kind == KIND_BUFFER:
+        return False
+    return any(grads[n] for n in in_names) and any(o.is_float for o in outs)

@@ -1,0 +1,148 @@
+"""Lower a plan: rewrite the captured GraphModule into this rank's program.
+
+Three edits, all visible in ``print(local.code)``:
+
+1. every parameter is replaced by this rank's shard (the chunk DTensor's
+   ``Shard(d)`` would hold; the full tensor for ``R``);
+2. before each op, each tensor input is redistributed from its producer's
+   layout to the layout the op's strategy needs (`redistribute.plan_steps`),
+   and a replicated input consumed by split work gets a gradient all-reduce;
+3. shape arguments of views and expands are rewritten to local sizes.
+
+Outputs are redistributed to R, so every rank returns the full outputs.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autotp.errors import PlanError
+from autotp.graph.opgraph import tensor_input_nodes
+from autotp.graph.opgraph import _meta_of
+from autotp.lower.collectives import AxisComm, Collective
+from autotp.placement import R, Replicate, Shard, local_shape, parse_layout, shard_index
+from autotp.redistribute import SLICE, plan_steps
+from autotp.strategies.base import Strategy
+
+aten = torch.ops.aten
+_SHAPE_ARG_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
+
+
+def shard_tensor(full: torch.Tensor, layout, mesh_shape, coords) -> torch.Tensor:
+    """This device's piece of ``full`` under ``layout`` (a copy, so only the shard stays alive)."""
+    piece = full
+    for dim in sorted({p.dim for p in layout if isinstance(p, Shard)}):
+        n = 1
+        for p, size in zip(layout, mesh_shape):
+            if isinstance(p, Shard) and p.dim == dim:
+                n *= size
+        piece = piece.chunk(n, dim=dim)[shard_index(layout, dim, coords, mesh_shape)]
+    return piece.detach().clone()
+
+
+def _set_param(gm: fx.GraphModule, fqn: str, value: torch.Tensor, requires_grad: bool) -> None:
+    owner_name, _, leaf = fqn.rpartition(".")
+    owner = gm.get_submodule(owner_name) if owner_name else gm
+    setattr(owner, leaf, torch.nn.Parameter(value, requires_grad=requires_grad))
+
+
+class _Lowerer:
+    def __init__(self, gm: fx.GraphModule, plan, coords, groups):
+        self.gm, self.plan, self.mesh, self.coords = gm, plan, plan.mesh, coords
+        self.comms = [AxisComm(name, size, coords[a], (groups or {}).get(a))
+                      for a, (name, size) in enumerate(zip(self.mesh.names, self.mesh.shape))]
+        self.modules: dict[tuple, str] = {}
+
+    def collective(self, kind: str, axis: int, dim) -> str:
+        key = (kind, axis, dim)
+        if key not in self.modules:
+            name = f"{kind}_{self.mesh.names[axis]}" + (f"_d{dim}" if dim is not None else "")
+            self.gm.add_submodule(name, Collective(kind, self.comms[axis], dim))
+            self.modules[key] = name
+        return self.modules[key]
+
+    def redistribute(self, node: fx.Node, src, dst, grad_axes=()) -> fx.Node:
+        """Insert the steps from ``src`` to ``dst`` (and the gradient all-reduces) before the current point."""
+        meta = _meta_of(node.meta["val"])
+        for step in plan_steps(src, dst, meta, self.mesh.shape):
+            if self.mesh.shape[step.axis] == 1 and step.kind != SLICE:
+                continue
+            node = self._call(self.collective(step.kind, step.axis, step.dim), node)
+        for axis in grad_axes if meta.is_float else ():
+            if self.mesh.shape[axis] > 1:
+                node = self._call(self.collective("grad_all_reduce", axis, None), node)
+        return node
+
+    def _call(self, module: str, arg: fx.Node) -> fx.Node:
+        new = self.gm.graph.call_module(module, (arg,))
+        new.meta["val"] = arg.meta.get("val")
+        return new
+
+
+def _node_plan(plan, node: fx.Node):
+    entry = plan.nodes.get(node.name)
+    if entry is None:
+        raise PlanError(f"the plan has no entry for node {node.name!r} ({node.target}): the plan was made for "
+                        "a different model or inputs; re-plan with autotp.plan")
+    return entry
+
+
+def _rewrite_inputs(low: _Lowerer, node: fx.Node, entry) -> None:
+    inputs = [n for n in tensor_input_nodes(node) if n.name in low.plan.nodes]
+    layouts = entry.in_layouts()
+    if len(layouts) != len(inputs):
+        raise PlanError(f"node {node.name!r} has {len(inputs)} tensor inputs but the plan gives {len(layouts)}")
+    strategy = Strategy(out=entry.out_layout(), ins=layouts)
+    replaced = {}
+    with low.gm.graph.inserting_before(node):
+        for i, inp in enumerate(inputs):
+            src = low.plan.nodes[inp.name].out_layout()
+            if node.target is operator.getitem:
+                continue  # pieces of a split keep the split's layout
+            replaced[i] = low.redistribute(inp, src, layouts[i], strategy.grad_allreduce_axes(i))
+    counter = iter(range(len(inputs)))
+
+    def swap(a):
+        if isinstance(a, fx.Node) and a.name in low.plan.nodes:
+            return replaced.get(next(counter), a)
+        return a
+
+    node.args, node.kwargs = pytree.tree_map(swap, (node.args, dict(node.kwargs)))
+    if node.target in _SHAPE_ARG_OPS:
+        meta = _meta_of(node.meta["val"])
+        node.args = (node.args[0], list(local_shape(meta.shape, entry.out_layout(), low.mesh.shape))) + node.args[2:]
+
+
+def lower(gm: fx.GraphModule, plan, rank: int, groups=None) -> fx.GraphModule:
+    """Rewrite ``gm`` in place into the program of ``rank``; ``groups`` maps mesh axis -> process group.
+
+    Without ``groups`` the result can be printed and inspected but not run.
+    """
+    coords = plan.mesh.coords(rank)
+    low = _Lowerer(gm, plan, coords, groups)
+    for fqn, param in list(gm.named_parameters()):
+        if fqn not in plan.parameters:
+            raise PlanError(f"parameter {fqn!r} is not in the plan: re-plan this model")
+        layout = parse_layout(plan.parameters[fqn])
+        _set_param(gm, fqn, shard_tensor(param, layout, plan.mesh.shape, coords), param.requires_grad)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.name in plan.nodes:
+            _rewrite_inputs(low, node, _node_plan(plan, node))
+        elif node.op == "output":
+            replicated = (R,) * plan.mesh.ndim
+            with gm.graph.inserting_before(node):
+                node.args = pytree.tree_map(
+                    lambda a: low.redistribute(a, plan.nodes[a.name].out_layout(), replicated)
+                    if isinstance(a, fx.Node) and a.name in plan.nodes and not _is_replicated(plan, a) else a,
+                    node.args)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _is_replicated(plan, node) -> bool:
+    return all(isinstance(p, Replicate) for p in plan.nodes[node.name].out_layout())

@@ -1,0 +1,100 @@
+"""Turn one layout into another: the ordered collectives on each mesh axis, forward and backward.
+
+Used by both the cost model and the lowering, so what is costed is exactly what
+runs. Per axis the forward transitions and their autograd duals are:
+
+    P -> R     all-reduce       backward: nothing
+    P -> S(d)  reduce-scatter   backward: all-gather
+    S(d) -> R  all-gather       backward: local slice (the gradient of an R tensor is R)
+    R -> S(d)  local slice      backward: all-gather
+    S(d) -> S(e)  all-gather then slice (costed as such)
+
+Axes are unsharded innermost first and sharded outermost first, so a dim split
+on several axes keeps DTensor's nesting order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autotp.placement import Partial, Replicate, Shard, local_shape
+
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, SLICE = "all_reduce", "all_gather", "reduce_scatter", "slice"
+_BACKWARD = {ALL_REDUCE: None, ALL_GATHER: None, REDUCE_SCATTER: ALL_GATHER, SLICE: ALL_GATHER}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective (or local slice) on one mesh axis.
+
+    ``message_bytes`` follows nccl-tests: the all-reduce buffer, the gathered
+    output of an all-gather, the full input of a reduce-scatter.
+    """
+
+    kind: str
+    axis: int
+    dim: int | None
+    message_bytes: int
+
+    @property
+    def backward_kind(self) -> str | None:
+        return _BACKWARD[self.kind]
+
+
+class Unsupported(Exception):
+    """This transition is not offered (e.g. R -> P); the planner never chooses it."""
+
+
+def _dims_split(layout, dim):
+    return [a for a, p in enumerate(layout) if isinstance(p, Shard) and p.dim == dim]
+
+
+def _axes_to_clear(src, dst) -> set[int]:
+    """Axes whose placement must be undone first, including inner axes nested under them."""
+    clear = {a for a in range(len(src)) if src[a] != dst[a] and not isinstance(src[a], Replicate)}
+    changed = True
+    while changed:
+        changed = False
+        for a in range(len(src)):
+            touched = {p.dim for p in (src[a], dst[a]) if isinstance(p, Shard)}
+            if src[a] == dst[a] and a not in clear:
+                continue
+            for b in range(a + 1, len(src)):
+                if b not in clear and isinstance(src[b], Shard) and src[b].dim in touched:
+                    clear.add(b)
+                    changed = True
+    return clear
+
+
+def plan_steps(src, dst, meta, mesh_shape) -> list[Step]:
+    """The forward steps that turn layout ``src`` into ``dst`` for a tensor of ``meta``."""
+    if any(isinstance(d, Partial) and not isinstance(s, Partial) for s, d in zip(src, dst)):
+        raise Unsupported(f"cannot produce a partial sum from {src}")
+    cur, steps = list(src), []
+    itemsize = meta.dtype.itemsize
+    for a in sorted(_axes_to_clear(src, dst), reverse=True):
+        n = mesh_shape[a]
+        local_bytes = _bytes(meta.shape, cur, mesh_shape, itemsize)
+        if isinstance(cur[a], Shard):
+            steps.append(Step(ALL_GATHER, a, cur[a].dim, local_bytes * n))
+        elif isinstance(dst[a], Shard) and not any(
+                b != a and dst[a].dim in (getattr(cur[b], "dim", None), getattr(dst[b], "dim", None))
+                for b in range(len(cur))):
+            steps.append(Step(REDUCE_SCATTER, a, dst[a].dim, local_bytes))
+            cur[a] = dst[a]
+            continue
+        else:
+            steps.append(Step(ALL_REDUCE, a, None, local_bytes))
+        cur[a] = Replicate()
+    for a in range(len(cur)):
+        if cur[a] != dst[a]:
+            steps.append(Step(SLICE, a, dst[a].dim, _bytes(meta.shape, cur, mesh_shape, itemsize)))
+            cur[a] = dst[a]
+    return steps
+
+
+def _bytes(shape, layout, mesh_shape, itemsize) -> int:
+    n = 1
+    for s in local_shape(shape, layout, mesh_shape):
+        n *= s
+    return n * itemsize

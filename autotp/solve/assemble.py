@@ -1,0 +1,79 @@
+"""Turn a solved problem into a `Plan`: chosen strategies, the collectives they imply, costs, memory."""
+
+from __future__ import annotations
+
+from autotp.cost.comm import collective_time_s
+from autotp.cost.compute import compute_time_s
+from autotp.cost.memory import memory_by_term
+from autotp.cost.reshard import grad_allreduce_bytes
+from autotp.graph.opgraph import KIND_PARAM
+from autotp.placement import R, layout_str
+from autotp.redistribute import ALL_REDUCE, plan_steps
+from autotp.solve.plan import NodePlan, Plan, _round
+
+
+def chosen_strategies(problem, solution) -> dict:
+    return {node: problem.strategy(node, solution.choice[group]) for node, group in problem.group_of.items()}
+
+
+def _record(mesh, profile, node, producer, index, phase, kind, axis, nbytes) -> dict:
+    return {"node": node, "input": index, "producer": producer, "phase": phase, "kind": kind,
+            "axis": mesh.names[axis], "bytes": int(nbytes),
+            "time_s": _round(collective_time_s(kind, axis, nbytes, mesh, profile))}
+
+
+def edge_collectives(mesh, profile, training, node, producer, index, src, dst, meta, grad, grad_axes) -> list[dict]:
+    """Every collective one edge runs, forward and (when training) backward, in execution order."""
+    out = []
+    steps = plan_steps(src, dst, meta, mesh.shape)
+    for s in steps:
+        if s.kind != "slice" and mesh.shape[s.axis] > 1:
+            out.append(_record(mesh, profile, node, producer, index, "forward", s.kind, s.axis, s.message_bytes))
+    if training and grad:
+        nbytes = grad_allreduce_bytes(meta, dst, mesh.shape)
+        out += [_record(mesh, profile, node, producer, index, "backward", ALL_REDUCE, a, nbytes)
+                for a in grad_axes if mesh.shape[a] > 1]
+        out += [_record(mesh, profile, node, producer, index, "backward", s.backward_kind, s.axis, s.message_bytes)
+                for s in reversed(steps) if s.backward_kind and mesh.shape[s.axis] > 1]
+    return out
+
+
+def all_collectives(graph, chosen, mesh, profile, training) -> list[dict]:
+    out = []
+    for op in graph.nodes():
+        s = chosen[op.name]
+        for i, producer in enumerate(op.inputs):
+            meta = op.in_metas[i]
+            grad = op.requires_grad and graph.node(producer).requires_grad and meta.is_float
+            out += edge_collectives(mesh, profile, training, op.name, producer, i, chosen[producer].out,
+                                    s.ins[i], meta, grad, s.grad_allreduce_axes(i))
+    r = (R,) * mesh.ndim
+    for name in graph.outputs:
+        op = graph.node(name)
+        for meta in op.out:
+            out += edge_collectives(mesh, profile, training, "output", name, 0, chosen[name].out, r, meta,
+                                    op.requires_grad and meta.is_float, ())
+    return out
+
+
+def assemble_plan(graph, problem, solution, mesh, profile, training, inputs, input_requires_grad) -> Plan:
+    chosen = chosen_strategies(problem, solution)
+    collectives = all_collectives(graph, chosen, mesh, profile, training)
+    compute_s = sum(compute_time_s(op, chosen[op.name], mesh, profile, training) for op in graph.nodes())
+    comm_s = sum(c["time_s"] for c in collectives)
+    nodes = {op.name: NodePlan(op.op_name, layout_str(chosen[op.name].out),
+                               tuple(layout_str(layout) for layout in chosen[op.name].ins))
+             for op in graph.nodes()}
+    params = {op.fqn: layout_str(chosen[op.name].out) for op in graph.nodes() if op.kind == KIND_PARAM}
+    fallback = {name: reason for name, reason in problem.strategies.fallback.items()}
+    return Plan(
+        mesh=mesh, profile=profile.name, training=training, parameters=params, nodes=nodes,
+        fallback_ops=fallback, collectives=collectives,
+        predicted={"compute_s": compute_s, "comm_s": comm_s, "total_s": compute_s + comm_s,
+                   "objective_s": solution.objective_s},
+        memory=memory_by_term(graph, chosen, mesh, training),
+        inputs=[dict(spec, requires_grad=bool(input_requires_grad.get(name, False)))
+                for name, spec in inputs],
+        ilp={"groups": len(problem.groups), "edges": len(problem.edges), "variables": solution.variables,
+             "constraints": solution.constraints, "ops": len(graph)},
+    )

@@ -1,0 +1,103 @@
+"""`Plan`: the chosen placement of every parameter and op, its predicted cost, and its JSON form.
+
+The JSON is canonical (sorted keys, fixed float formatting, no timings), so the
+same inputs give byte-identical files across runs and processes. Wall-clock
+facts such as solve time live in ``plan.stats`` and are not saved.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autotp.errors import PlanError
+from autotp.mesh import Mesh
+from autotp.placement import parse_layout
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class NodePlan:
+    """The strategy of one fx node: its output layout and the layout each tensor input arrives in."""
+
+    op: str
+    out: tuple[str, ...]
+    ins: tuple[tuple[str, ...], ...]
+
+    def out_layout(self):
+        return parse_layout(self.out)
+
+    def in_layouts(self):
+        return tuple(parse_layout(layout) for layout in self.ins)
+
+
+@dataclass
+class Plan:
+    """A sharding plan for one model on one mesh (see docs/concepts.md)."""
+
+    mesh: Mesh
+    profile: str
+    training: bool
+    parameters: dict[str, tuple[str, ...]]
+    nodes: dict[str, NodePlan]
+    fallback_ops: dict[str, str]
+    collectives: list[dict]
+    predicted: dict[str, float]
+    memory: dict[str, int]
+    inputs: list[dict]
+    ilp: dict[str, int]
+    stats: dict = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict:
+        return {
+            "version": PLAN_VERSION, "mesh": self.mesh.to_dict(), "profile": self.profile,
+            "training": self.training,
+            "parameters": {k: list(v) for k, v in self.parameters.items()},
+            "nodes": {k: {"op": n.op, "out": list(n.out), "ins": [list(i) for i in n.ins]}
+                      for k, n in self.nodes.items()},
+            "fallback_ops": dict(self.fallback_ops), "collectives": self.collectives,
+            "predicted": {k: _round(v) for k, v in self.predicted.items()}, "memory": self.memory,
+            "inputs": self.inputs, "ilp": self.ilp,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"
+
+    def save(self, path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        if d.get("version") != PLAN_VERSION:
+            raise PlanError(f"plan version {d.get('version')!r} is not supported (expected {PLAN_VERSION}); re-plan")
+        return cls(
+            mesh=Mesh.from_dict(d["mesh"]), profile=d["profile"], training=d["training"],
+            parameters={k: tuple(v) for k, v in d["parameters"].items()},
+            nodes={k: NodePlan(n["op"], tuple(n["out"]), tuple(tuple(i) for i in n["ins"]))
+                   for k, n in d["nodes"].items()},
+            fallback_ops=dict(d["fallback_ops"]), collectives=list(d["collectives"]),
+            predicted=dict(d["predicted"]), memory=dict(d["memory"]), inputs=list(d["inputs"]), ilp=dict(d["ilp"]),
+        )
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise PlanError(f"cannot read plan {path}: {exc}") from exc
+        return cls.from_dict(data)
+
+    def forward_collectives(self) -> list[dict]:
+        return [c for c in self.collectives if c["phase"] == "forward"]
+
+    def summary(self) -> str:
+        from autotp.solve.summary import format_summary
+
+        return format_summary(self)
+
+
+def _round(x: float) -> float:
+    """Floats rounded to 12 significant digits so the JSON does not depend on summation order noise."""
+    return float(f"{x:.12g}")

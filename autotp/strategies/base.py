@@ -1,0 +1,104 @@
+"""Strategy types: how one op may be split, on one mesh axis and on the whole mesh.
+
+A rule is written for one mesh axis and returns `AxisOption`s: the output
+placement and the placement each tensor input must arrive in. `expand` turns
+per-axis options into whole-mesh `Strategy`s mechanically, the way DTensor
+expands its single-axis rules:
+
+    linear on a 2-axis mesh, per-axis options {R, col, row}
+    -> 9 strategies, e.g. out (S(0), S(2)) = batch split on axis 0, column split on axis 1,
+    minus those whose local shapes do not divide evenly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Callable
+
+from autotp.placement import P, R, Partial, Replicate, Shard, divides
+
+
+@dataclass(frozen=True)
+class AxisOption:
+    """One way to split an op on one mesh axis: ``ins`` arrive as given, ``out`` results."""
+
+    out: object
+    ins: tuple
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to split an op on the whole mesh: per-axis layouts of its output and inputs."""
+
+    out: tuple
+    ins: tuple  # one layout (tuple over mesh axes) per tensor input
+
+    def grad_allreduce_axes(self, i: int) -> tuple[int, ...]:
+        """Mesh axes on which input ``i``'s local gradient is a partial sum although the input is R.
+
+        This is Megatron's *f*: a replicated tensor consumed by split work gets
+        a partial gradient, which must be all-reduced in backward. It happens
+        exactly where the input is R and the output is not (S or P).
+        """
+        return tuple(a for a, (p_in, p_out) in enumerate(zip(self.ins[i], self.out))
+                     if isinstance(p_in, Replicate) and not isinstance(p_out, Replicate))
+
+    @property
+    def is_replicated(self) -> bool:
+        return all(isinstance(p, Replicate) for p in self.out) and all(
+            isinstance(p, Replicate) for layout in self.ins for p in layout)
+
+    def splits_work(self, axis: int) -> bool:
+        """True when the op's work is divided on ``axis`` (anything on it is not R)."""
+        return not isinstance(self.out[axis], Replicate) or any(
+            not isinstance(layout[axis], Replicate) for layout in self.ins)
+
+    def describe(self) -> str:
+        ins = ", ".join("".join(str(p) for p in layout) for layout in self.ins)
+        return f"({ins}) -> {''.join(str(p) for p in self.out)}"
+
+
+Rule = Callable[[object], list]  # OpNode -> list[AxisOption]
+
+
+@dataclass(frozen=True)
+class RuleEntry:
+    """A registered rule; ``follower`` ops take their producer's choice when they can."""
+
+    fn: Rule
+    follower: bool = False
+
+
+def replicate_option(n_inputs: int) -> AxisOption:
+    return AxisOption(R, (R,) * n_inputs)
+
+
+def expand(op, options: list, mesh_shape) -> list[Strategy]:
+    """All combinations of per-axis options whose local shapes split evenly, without repeats."""
+    options = [replicate_option(len(op.inputs))] + [o for o in options if o != replicate_option(len(op.inputs))]
+    seen, out = set(), []
+    for combo in product(options, repeat=len(mesh_shape)):
+        s = Strategy(out=tuple(o.out for o in combo),
+                     ins=tuple(tuple(o.ins[i] for o in combo) for i in range(len(op.inputs))))
+        if s in seen or not _fits(op, s, mesh_shape):
+            continue
+        seen.add(s)
+        out.append(s)
+    return out
+
+
+def _fits(op, s: Strategy, mesh_shape) -> bool:
+    if not all(divides(m.shape, s.out, mesh_shape) for m in op.out):
+        return False
+    return all(divides(m.shape, layout, mesh_shape) for m, layout in zip(op.in_metas, s.ins))
+
+
+def shard_or_r(meta, dim):
+    """``S(dim)`` when ``dim`` is a real, non-broadcast dim of ``meta``; else ``R``."""
+    if dim is None or dim < 0 or dim >= len(meta.shape) or meta.shape[dim] == 1:
+        return R
+    return Shard(dim)
+
+
+__all__ = ["AxisOption", "Strategy", "RuleEntry", "expand", "shard_or_r", "P", "R", "Shard", "Partial"]

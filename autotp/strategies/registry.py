@@ -1,0 +1,65 @@
+"""The explicit registry of strategy rules, keyed by ATen op.
+
+`default_registry()` builds a fresh dict each call; nothing is registered by
+import side effects, and a caller may pass its own registry to `plan()`.
+An op with no entry is replicated and reported in ``plan.fallback_ops``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from autotp.strategies import attention, embedding, loss, matmul, norms, pointwise, reductions, views
+from autotp.strategies.base import RuleEntry
+
+aten = torch.ops.aten
+
+_UNARY = ("gelu", "relu", "silu", "tanh", "sigmoid", "exp", "log", "rsqrt", "sqrt", "abs", "sin", "cos",
+          "erf", "reciprocal", "square")
+_LINEAR_UNARY = ("neg", "clone", "contiguous", "alias", "detach", "_to_copy", "lift_fresh_copy")
+
+
+def _overloads(name: str):
+    packet = getattr(aten, name, None)
+    return [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
+
+
+def default_registry() -> dict:
+    """A new mapping ``OpOverload -> RuleEntry`` covering the supported op families."""
+    reg: dict = {}
+
+    def add(names, fn, follower=False):
+        for name in names:
+            for overload in _overloads(name):
+                reg[overload] = RuleEntry(fn, follower)
+
+    add(["linear"], matmul.linear_rule)
+    add(["mm"], matmul.mm_rule)
+    add(["bmm"], matmul.bmm_rule)
+    add(["matmul"], matmul.matmul_rule)
+    add(_UNARY + ("dropout", "pow", "gelu_", "relu_"), pointwise.unary_rule, follower=True)
+    add(_LINEAR_UNARY + ("to", "type_as"), pointwise.linear_unary_rule, follower=True)
+    add(["add", "sub"], pointwise.add_rule, follower=True)
+    add(["mul"], pointwise.mul_rule, follower=True)
+    add(["div"], pointwise.div_rule, follower=True)
+    add(["where", "masked_fill", "maximum", "minimum"], pointwise.unary_rule, follower=True)
+    add(["_softmax", "softmax", "_log_softmax", "log_softmax"], norms.softmax_rule, follower=True)
+    add(["layer_norm"], norms.layer_norm_rule, follower=True)
+    add(["view", "reshape", "_unsafe_view"], views.view_rule, follower=True)
+    add(["transpose"], views.transpose_rule, follower=True)
+    add(["permute"], views.permute_rule, follower=True)
+    add(["t"], views.t_rule, follower=True)
+    add(["unsqueeze"], views.unsqueeze_rule, follower=True)
+    add(["expand"], views.expand_rule, follower=True)
+    add(["slice"], views.slice_rule, follower=True)
+    add(["split", "split_with_sizes", "chunk"], views.split_rule, follower=True)
+    add(["cat"], views.cat_rule)
+    reg[operator.getitem] = RuleEntry(views.getitem_rule, follower=True)
+    add(["scaled_dot_product_attention"], attention.sdpa_rule)
+    add(["embedding"], embedding.embedding_rule)
+    add(["sum"], reductions.sum_rule)
+    add(["mean"], reductions.mean_rule)
+    add(["cross_entropy_loss"], loss.cross_entropy_rule)
+    return reg
