@@ -5,9 +5,16 @@ runs. Per axis the forward transitions and their autograd duals are:
 
     P -> R     all-reduce       backward: nothing
     P -> S(d)  reduce-scatter   backward: all-gather
-    S(d) -> R  all-gather       backward: local slice (the gradient of an R tensor is R)
+    S(d) -> R  all-gather       backward: local slice if the gradient arriving is R,
+                                          reduce-scatter if it is partial
     R -> S(d)  local slice      backward: all-gather
     S(d) -> S(e)  all-gather then slice (costed as such)
+    R consumed by split work    backward: all-reduce of the partial gradient (Megatron's f)
+
+The gradient arriving is partial on an axis exactly when the consumer's strategy
+takes the input R there while splitting its work (`Strategy.grad_allreduce_axes`).
+When an all-gather on that axis comes right before, its backward becomes a
+reduce-scatter (sequence parallelism's pairing); otherwise an f step is added.
 
 Axes are unsharded innermost first and sharded outermost first, so a dim split
 on several axes keeps DTensor's nesting order.
@@ -20,7 +27,12 @@ from dataclasses import dataclass
 from autotp.placement import Partial, Replicate, Shard, local_shape
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, SLICE = "all_reduce", "all_gather", "reduce_scatter", "slice"
-_BACKWARD = {ALL_REDUCE: None, ALL_GATHER: None, REDUCE_SCATTER: ALL_GATHER, SLICE: ALL_GATHER}
+GRAD_ALL_REDUCE = "grad_all_reduce"
+ALL_GATHER_RS = "all_gather_rs"  # all-gather whose incoming gradient is partial: backward reduce-scatter
+_FORWARD = {ALL_REDUCE: ALL_REDUCE, ALL_GATHER: ALL_GATHER, ALL_GATHER_RS: ALL_GATHER,
+            REDUCE_SCATTER: REDUCE_SCATTER, SLICE: None, GRAD_ALL_REDUCE: None}
+_BACKWARD = {ALL_REDUCE: None, ALL_GATHER: None, ALL_GATHER_RS: REDUCE_SCATTER, REDUCE_SCATTER: ALL_GATHER,
+             SLICE: ALL_GATHER, GRAD_ALL_REDUCE: ALL_REDUCE}
 
 
 @dataclass(frozen=True)
@@ -37,7 +49,13 @@ class Step:
     message_bytes: int
 
     @property
+    def forward_kind(self) -> str | None:
+        """The collective run in forward, or None (a local slice, or an f step)."""
+        return _FORWARD[self.kind]
+
+    @property
     def backward_kind(self) -> str | None:
+        """The collective run in backward, or None."""
         return _BACKWARD[self.kind]
 
 
@@ -66,8 +84,24 @@ def _axes_to_clear(src, dst) -> set[int]:
     return clear
 
 
-def plan_steps(src, dst, meta, mesh_shape) -> list[Step]:
-    """The forward steps that turn layout ``src`` into ``dst`` for a tensor of ``meta``."""
+def plan_steps(src, dst, meta, mesh_shape, grad_axes=()) -> list[Step]:
+    """The steps that turn layout ``src`` into ``dst`` for a tensor of ``meta``.
+
+    ``grad_axes`` are the axes on which the consumer hands back a partial
+    gradient; each is served by the last all-gather on that axis or by an f step.
+    """
+    steps = _layout_steps(src, dst, meta, mesh_shape)
+    for axis in grad_axes:
+        last = [i for i, s in enumerate(steps) if s.axis == axis]
+        if last and steps[last[-1]].kind == ALL_GATHER:
+            s = steps[last[-1]]
+            steps[last[-1]] = Step(ALL_GATHER_RS, s.axis, s.dim, s.message_bytes)
+        else:
+            steps.append(Step(GRAD_ALL_REDUCE, axis, None, _bytes(meta.shape, dst, mesh_shape, meta.dtype.itemsize)))
+    return steps
+
+
+def _layout_steps(src, dst, meta, mesh_shape) -> list[Step]:
     if any(isinstance(d, Partial) and not isinstance(s, Partial) for s, d in zip(src, dst)):
         raise Unsupported(f"cannot produce a partial sum from {src}")
     cur, steps = list(src), []

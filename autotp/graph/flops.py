@@ -38,9 +38,14 @@ def is_alias(target) -> bool:
 
 
 def op_bytes(target, ins, out) -> int:
-    """Bytes an op reads and writes (zero for views)."""
+    """Bytes an op reads and writes (zero for views).
+
+    An embedding reads only the rows it gathers, not its whole table.
+    """
     if is_alias(target):
         return 0
+    if target == aten.embedding.default:
+        return ins[1].nbytes + 2 * sum(m.nbytes for m in out)
     return sum(m.nbytes for m in ins) + sum(m.nbytes for m in out)
 
 

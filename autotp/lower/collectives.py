@@ -60,6 +60,19 @@ class _AllGatherFn(torch.autograd.Function):
         return _chunk(grad, ctx.dim, ctx.comm.size, ctx.comm.index), None, None
 
 
+class _AllGatherRSFn(torch.autograd.Function):
+    """S(d) -> R when the gradient coming back is partial. Backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return _gather(x, dim, comm.group, comm.size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.comm.group, ctx.comm.size), None, None
+
+
 class _ReduceScatterFn(torch.autograd.Function):
     """P -> S(d). Backward: all-gather."""
 
@@ -125,7 +138,8 @@ class Collective(nn.Module):
             return _AllReduceFn.apply(x, self.comm)
         if self.kind == "grad_all_reduce":
             return _GradAllReduceFn.apply(x, self.comm)
-        fn = {"all_gather": _AllGatherFn, "reduce_scatter": _ReduceScatterFn, "slice": _ShardFn}[self.kind]
+        fn = {"all_gather": _AllGatherFn, "all_gather_rs": _AllGatherRSFn, "reduce_scatter": _ReduceScatterFn,
+              "slice": _ShardFn}[self.kind]
         return fn.apply(x, self.comm, self.dim)
 
     def extra_repr(self) -> str:

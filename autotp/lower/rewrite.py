@@ -25,7 +25,7 @@ from autotp.graph.opgraph import tensor_input_nodes
 from autotp.graph.opgraph import _meta_of
 from autotp.lower.collectives import AxisComm, Collective
 from autotp.placement import R, Replicate, Shard, local_shape, parse_layout, shard_index
-from autotp.redistribute import SLICE, plan_steps
+from autotp.redistribute import plan_steps
 from autotp.strategies.base import Strategy
 
 aten = torch.ops.aten
@@ -68,13 +68,9 @@ class _Lowerer:
     def redistribute(self, node: fx.Node, src, dst, grad_axes=()) -> fx.Node:
         """Insert the steps from ``src`` to ``dst`` (and the gradient all-reduces) before the current point."""
         meta = _meta_of(node.meta["val"])
-        for step in plan_steps(src, dst, meta, self.mesh.shape):
-            if self.mesh.shape[step.axis] == 1 and step.kind != SLICE:
-                continue
-            node = self._call(self.collective(step.kind, step.axis, step.dim), node)
-        for axis in grad_axes if meta.is_float else ():
-            if self.mesh.shape[axis] > 1:
-                node = self._call(self.collective("grad_all_reduce", axis, None), node)
+        for step in plan_steps(src, dst, meta, self.mesh.shape, grad_axes if meta.is_float else ()):
+            if self.mesh.shape[step.axis] > 1:
+                node = self._call(self.collective(step.kind, step.axis, step.dim), node)
         return node
 
     def _call(self, module: str, arg: fx.Node) -> fx.Node:

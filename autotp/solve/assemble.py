@@ -5,10 +5,9 @@ from __future__ import annotations
 from autotp.cost.comm import collective_time_s
 from autotp.cost.compute import compute_time_s
 from autotp.cost.memory import memory_by_term
-from autotp.cost.reshard import grad_allreduce_bytes
 from autotp.graph.opgraph import KIND_PARAM
 from autotp.placement import R, layout_str
-from autotp.redistribute import ALL_REDUCE, plan_steps
+from autotp.redistribute import plan_steps
 from autotp.solve.plan import NodePlan, Plan, _round
 
 
@@ -24,17 +23,13 @@ def _record(mesh, profile, node, producer, index, phase, kind, axis, nbytes) -> 
 
 def edge_collectives(mesh, profile, training, node, producer, index, src, dst, meta, grad, grad_axes) -> list[dict]:
     """Every collective one edge runs, forward and (when training) backward, in execution order."""
-    out = []
-    steps = plan_steps(src, dst, meta, mesh.shape)
-    for s in steps:
-        if s.kind != "slice" and mesh.shape[s.axis] > 1:
-            out.append(_record(mesh, profile, node, producer, index, "forward", s.kind, s.axis, s.message_bytes))
-    if training and grad:
-        nbytes = grad_allreduce_bytes(meta, dst, mesh.shape)
-        out += [_record(mesh, profile, node, producer, index, "backward", ALL_REDUCE, a, nbytes)
-                for a in grad_axes if mesh.shape[a] > 1]
+    grad = training and grad
+    steps = [s for s in plan_steps(src, dst, meta, mesh.shape, grad_axes if grad else ()) if mesh.shape[s.axis] > 1]
+    out = [_record(mesh, profile, node, producer, index, "forward", s.forward_kind, s.axis, s.message_bytes)
+           for s in steps if s.forward_kind]
+    if grad:
         out += [_record(mesh, profile, node, producer, index, "backward", s.backward_kind, s.axis, s.message_bytes)
-                for s in reversed(steps) if s.backward_kind and mesh.shape[s.axis] > 1]
+                for s in reversed(steps) if s.backward_kind]
     return out
 
 
