@@ -45,11 +45,11 @@ class TensorMeta:
         return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
 
 
-def _meta_of(value):
+def meta_of(value):
     if isinstance(value, torch.Tensor):
         return TensorMeta(tuple(int(s) for s in value.shape), value.dtype)
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
-        return tuple(_meta_of(v) for v in value)
+        return tuple(meta_of(v) for v in value)
     return None
 
 
@@ -134,7 +134,7 @@ def build_opgraph(gm: fx.GraphModule, input_requires_grad=None) -> OpGraph:
         if kind == KIND_OUTPUT:
             outputs = [p.name for p in producers]
             continue
-        out = _meta_of(node.meta.get("val"))
+        out = meta_of(node.meta.get("val"))
         if out is None and kind == KIND_PARAM:
             t = gm.get_parameter(node.target)
             out = TensorMeta(tuple(t.shape), t.dtype)

@@ -21,15 +21,13 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autotp.errors import PlanError
-from autotp.graph.opgraph import tensor_input_nodes
-from autotp.graph.opgraph import _meta_of
+from autotp.graph.opgraph import TensorMeta, meta_of, tensor_input_nodes
 from autotp.lower.collectives import AxisComm, Collective
+from autotp.lower.local_args import localize_args
 from autotp.placement import R, Replicate, Shard, local_shape, parse_layout, shard_index
 from autotp.redistribute import plan_steps
 from autotp.strategies.base import Strategy
 
-aten = torch.ops.aten
-_SHAPE_ARG_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
 
 
 def shard_tensor(full: torch.Tensor, layout, mesh_shape, coords) -> torch.Tensor:
@@ -67,7 +65,7 @@ class _Lowerer:
 
     def redistribute(self, node: fx.Node, src, dst, grad_axes=()) -> fx.Node:
         """Insert the steps from ``src`` to ``dst`` (and the gradient all-reduces) before the current point."""
-        meta = _meta_of(node.meta["val"])
+        meta = meta_of(node.meta["val"])
         for step in plan_steps(src, dst, meta, self.mesh.shape, grad_axes if meta.is_float else ()):
             if self.mesh.shape[step.axis] > 1:
                 node = self._call(self.collective(step.kind, step.axis, step.dim), node)
@@ -108,9 +106,9 @@ def _rewrite_inputs(low: _Lowerer, node: fx.Node, entry) -> None:
         return a
 
     node.args, node.kwargs = pytree.tree_map(swap, (node.args, dict(node.kwargs)))
-    if node.target in _SHAPE_ARG_OPS:
-        meta = _meta_of(node.meta["val"])
-        node.args = (node.args[0], list(local_shape(meta.shape, entry.out_layout(), low.mesh.shape))) + node.args[2:]
+    meta = meta_of(node.meta["val"])
+    if isinstance(meta, TensorMeta):
+        node.args = localize_args(node.target, node.args, local_shape(meta.shape, entry.out_layout(), low.mesh.shape))
 
 
 def lower(gm: fx.GraphModule, plan, rank: int, groups=None) -> fx.GraphModule:

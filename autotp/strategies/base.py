@@ -89,9 +89,14 @@ def expand(op, options: list, mesh_shape) -> list[Strategy]:
 
 
 def _fits(op, s: Strategy, mesh_shape) -> bool:
-    if not all(divides(m.shape, s.out, mesh_shape) for m in op.out):
-        return False
-    return all(divides(m.shape, layout, mesh_shape) for m, layout in zip(op.in_metas, s.ins))
+    """Even splits only, and partial sums only of floating-point tensors."""
+    pairs = [(m, s.out) for m in op.out] + list(zip(op.in_metas, s.ins))
+    for meta, layout in pairs:
+        if not divides(meta.shape, layout, mesh_shape):
+            return False
+        if not meta.is_float and any(isinstance(p, Partial) for p in layout):
+            return False
+    return True
 
 
 def shard_or_r(meta, dim):

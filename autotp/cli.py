@@ -1,0 +1,92 @@
+"""The ``autotp`` command line: ``autotp plan MODEL --mesh 4`` prints a sharding plan.
+
+MODEL is ``path/to/file.py:factory``, where ``factory()`` returns
+``(model, example_inputs)``; build the model on the ``meta`` device to plan
+large shapes without allocating them. Bad input prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+from autotp.errors import AutotpError
+
+EXIT_USAGE = 2
+
+
+class UsageError(AutotpError):
+    """The command line names something that does not exist."""
+
+
+def load_factory(spec: str):
+    """``"path/to/file.py:factory"`` -> the factory function."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path.endswith(".py") or not name:
+        raise UsageError(f"model {spec!r} is not of the form path/to/file.py:factory")
+    file = Path(path)
+    if not file.exists():
+        raise UsageError(f"model file {path!r} does not exist")
+    module_spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.path.insert(0, str(file.parent.resolve()))
+    try:
+        module_spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    if not hasattr(module, name):
+        raise UsageError(f"{path} has no function {name!r}")
+    return getattr(module, name)
+
+
+def _call_factory(factory):
+    made = factory()
+    if not isinstance(made, tuple) or len(made) not in (2, 3):
+        raise UsageError("the factory must return (model, example_inputs) or (model, example_inputs, example_kwargs)")
+    model, inputs = made[0], made[1]
+    kwargs = made[2] if len(made) == 3 else None
+    return model, inputs, kwargs
+
+
+def cmd_plan(args) -> int:
+    from autotp.api import plan
+    from autotp.mesh import Mesh
+
+    mesh = Mesh(args.mesh, links=args.links)
+    model, inputs, kwargs = _call_factory(load_factory(args.model))
+    result = plan(model, mesh, inputs, kwargs, training=not args.inference, profile=args.profile)
+    print(result.summary())
+    print(f"planned in {result.stats['plan_s']:.2f} s (ILP solve {result.stats['solve_s']:.2f} s)")
+    if args.json:
+        result.save(args.json)
+        print(f"plan written to {args.json}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autotp", description="Automatic tensor parallelism for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="plan a model on a mesh and print the plan")
+    p.add_argument("model", help="path/to/file.py:factory, where factory() returns (model, example_inputs)")
+    p.add_argument("--mesh", required=True, help="mesh shape, e.g. 4 or 2x4")
+    p.add_argument("--links", default=None, help="link class per axis, e.g. ethernet,nvlink (default nvlink)")
+    p.add_argument("--profile", default="h100-hgx", help="profile name in cost_models/ or a path to a JSON profile")
+    p.add_argument("--inference", action="store_true", help="plan the forward pass only")
+    p.add_argument("--json", default=None, help="also write the plan to this JSON file")
+    p.set_defaults(fn=cmd_plan)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except AutotpError as exc:
+        print(f"autotp: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""A model that touches every supported op family once, for the single-process rule tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Zoo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 12))
+        self.b = nn.Parameter(torch.randn(12))
+        self.scale = nn.Parameter(torch.randn(4, 1, 12))
+
+    def forward(self, x):  # x: (4, 6, 8)
+        y = torch.matmul(x, self.w) + self.b                 # (4, 6, 12)
+        z = torch.bmm(y, y.transpose(1, 2))                  # (4, 6, 6)
+        z = F.softmax(z, dim=-1) * 2.0 - F.log_softmax(z, dim=1)
+        y = torch.bmm(z, y) * self.scale / 3.0               # (4, 6, 12)
+        a, b = y.chunk(2, dim=2)                             # (4, 6, 6) each
+        c = torch.cat([F.silu(a), torch.tanh(b), -a], dim=2)  # (4, 6, 18)
+        d = c.permute(2, 0, 1).unsqueeze(0)                  # (1, 18, 4, 6)
+        e = d.expand(3, 18, 4, 6).sum(dim=0) - d.mean(dim=0)  # (18, 4, 6)
+        f = torch.mm(e.reshape(18, 24), e.reshape(24, 18))   # (18, 18)
+        g = F.relu(F.dropout(f, p=0.0, training=True))
+        return g.sum(dim=1), torch.sum(e)
