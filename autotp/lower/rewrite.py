@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autotp.errors import PlanError
-from autotp.graph.opgraph import TensorMeta, meta_of, tensor_input_nodes
+from autotp.graph.opgraph import TensorMeta, build_opgraph, meta_of, tensor_input_nodes
 from autotp.lower.collectives import AxisComm, Collective
 from autotp.lower.local_args import localize_args
 from autotp.placement import R, Replicate, Shard, local_shape, parse_layout, shard_index
@@ -111,11 +111,26 @@ def _rewrite_inputs(low: _Lowerer, node: fx.Node, entry) -> None:
         node.args = localize_args(node.target, node.args, local_shape(meta.shape, entry.out_layout(), low.mesh.shape))
 
 
+def check_plan_fits(gm: fx.GraphModule, plan) -> None:
+    """The plan must name exactly this graph's nodes and ops; else it was made for another model."""
+    ours = {op.name: op.op_name for op in build_opgraph(gm).nodes()}
+    theirs = {name: entry.op for name, entry in plan.nodes.items()}
+    if ours == theirs:
+        return
+    missing = sorted(ours.keys() - theirs.keys())[:3]
+    extra = sorted(theirs.keys() - ours.keys())[:3]
+    changed = sorted(n for n in ours.keys() & theirs.keys() if ours[n] != theirs[n])[:3]
+    raise PlanError(f"the plan does not fit this model (nodes not in the plan: {missing}, plan nodes not in the "
+                    f"model: {extra}, different ops: {changed}): it was made for a different model or inputs; "
+                    "re-plan with autotp.plan")
+
+
 def lower(gm: fx.GraphModule, plan, rank: int, groups=None) -> fx.GraphModule:
     """Rewrite ``gm`` in place into the program of ``rank``; ``groups`` maps mesh axis -> process group.
 
     Without ``groups`` the result can be printed and inspected but not run.
     """
+    check_plan_fits(gm, plan)
     coords = plan.mesh.coords(rank)
     low = _Lowerer(gm, plan, coords, groups)
     for fqn, param in list(gm.named_parameters()):

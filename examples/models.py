@@ -1,4 +1,4 @@
-"""Models written for the tests: a two-layer MLP and a two-layer GPT with its loss inside forward."""
+"""The example models, also used by the tests: an MLP and a small GPT with its loss inside forward."""
 
 from __future__ import annotations
 

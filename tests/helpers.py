@@ -1,0 +1,52 @@
+"""Plans used across the tests: the ILP's own, and forced plans that test lowering on their own."""
+
+from __future__ import annotations
+
+import torch
+
+import autotp
+from autotp.solve.constraints import data_parallel_only, replicated_only
+from conftest import compute_bound_profile
+from models import GPT, MLP
+
+
+def make_model(name: str):
+    """The same weights and inputs on every call (and so on every rank)."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        return MLP(16, 32), (torch.randn(8, 16),)
+    if name == "gpt":
+        return GPT(vocab=64, hidden=32, heads=4, layers=2, seq=8), (
+            torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)))
+    raise ValueError(name)
+
+
+def megatron_pins(name: str, model, mesh) -> dict:
+    """Column-parallel in, row-parallel out on the last mesh axis; everything else replicated."""
+    tp = mesh.ndim - 1
+    pins = {}
+    for fqn, _ in model.named_parameters():
+        leaf = fqn.rsplit(".", 2)
+        module, kind = (leaf[-2], leaf[-1]) if len(leaf) > 1 else ("", leaf[-1])
+        placement = "R"
+        if module in ("fc1", "q", "k", "v", "up", "head"):
+            placement = "S(0)"
+        elif module in ("fc2", "proj", "down") and kind == "weight":
+            placement = "S(1)"
+        pins[fqn] = tuple(placement if a == tp else "R" for a in range(mesh.ndim))
+    return pins
+
+
+def forced_plan(kind: str, name: str, mesh):
+    """The ILP's plan (``"ilp"``) or a forced one: replicated, data-parallel, megatron."""
+    model, inputs = make_model(name)
+    profile = compute_bound_profile()
+    if kind == "ilp":
+        return autotp.plan(model, mesh, inputs, profile=profile)
+    if kind == "replicated":
+        return autotp.plan(model, mesh, inputs, profile=profile, allow=replicated_only)
+    if kind == "data_parallel":
+        return autotp.plan(model, mesh, inputs, profile=profile, allow=data_parallel_only)
+    if kind == "megatron":
+        return autotp.plan(model, mesh, inputs, profile="h100-hgx", pin=megatron_pins(name, model, mesh))
+    raise ValueError(kind)

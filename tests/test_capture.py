@@ -1,0 +1,61 @@
+"""Capture through torch.export: meta models plan without weights, shapes and FLOPs per node."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autotp.capture import capture
+from autotp.errors import CaptureError
+from autotp.graph import build_opgraph
+from models import GPT, MLP
+
+
+def test_meta_model_captures_with_shapes_flops_and_bytes():
+    with torch.device("meta"):
+        model = MLP(64, 256)
+    graph = build_opgraph(capture(model, (torch.empty(8, 64, device="meta"),)))
+    linear = graph.node("linear")
+    assert linear.out[0].shape == (8, 256) and linear.out[0].dtype == torch.float32
+    assert linear.flops == 2 * 8 * 64 * 256
+    assert linear.bytes == 4 * (8 * 64 + 256 * 64 + 8 * 256)
+    assert graph.node("fc1_weight").fqn == "fc1.weight"
+    assert graph.outputs == ["add_tensor_1"]
+    assert all(p.is_meta for p in model.parameters())  # nothing was materialised
+
+
+def test_bias_is_split_off_the_linear():
+    model = MLP(8, 16)
+    gm = capture(model, (torch.randn(2, 8),))
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == ["aten.linear.default", "aten.add.Tensor", "aten.gelu.default", "aten.linear.default",
+                       "aten.add.Tensor"]
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(gm(x), model(x))
+
+
+def test_edges_keep_repeated_inputs():
+    class Square(nn.Module):
+        def forward(self, x):
+            return x * x
+
+    graph = build_opgraph(capture(Square(), (torch.randn(3),)))
+    assert graph.node("mul").inputs == ("x", "x")
+    assert graph.graph.edges["x", "mul"]["inputs"] == (0, 1)
+
+
+def test_export_failure_names_the_line():
+    class DataDependent(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent control flow
+                return x
+            return -x
+
+    with pytest.raises(CaptureError, match=r"DataDependent.*test_capture\.py:\d+"):
+        capture(DataDependent(), (torch.randn(3),))
+
+
+def test_wrong_example_inputs_fail_clearly():
+    with pytest.raises(CaptureError, match="example_inputs"):
+        capture(GPT(), (torch.zeros(2, 8, dtype=torch.long),))
