@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.utils import _pytree as pytree
 
 from autotp.capture import capture, example_specs, inputs_from_specs
 from autotp.cost.profile import load_profile
@@ -44,19 +45,24 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     """
     started = time.perf_counter()
     mesh, profile = as_mesh(mesh), load_profile(profile)
-    example_inputs = _as_tuple(example_inputs)
+    example_inputs, example_kwargs = _as_tuple(example_inputs), dict(example_kwargs or {})
     gm = capture(model, example_inputs, example_kwargs)
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    wants_grad = {n: bool(x.requires_grad) for n, x in zip(names, example_inputs)}
-    graph = build_opgraph(gm, wants_grad)
+    graph = build_opgraph(gm, _placeholder_grads(gm, example_inputs, example_kwargs))
     strategies = enumerate_strategies(graph, mesh.shape, registry or default_registry())
     apply_constraints(graph, strategies, pin, allow)
     problem = build_problem(graph, strategies, mesh, profile, training)
     solution = solve(problem, time_limit_s)
     result = assemble_plan(graph, problem, solution, mesh, profile, training,
-                           list(zip(names, example_specs(example_inputs))), wants_grad)
+                           example_specs(example_inputs, example_kwargs))
     result.stats = {"plan_s": time.perf_counter() - started, "solve_s": solution.solve_s}
     return result
+
+
+def _placeholder_grads(gm, args: tuple, kwargs: dict) -> dict[str, bool]:
+    """Which graph inputs want gradients: export makes one placeholder per leaf of ``(args, kwargs)``."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return {name: isinstance(leaf, torch.Tensor) and leaf.requires_grad for name, leaf in zip(names, leaves)}
 
 
 def parallelize(model, plan: Plan, rank: int | None = None, groups=None) -> torch.fx.GraphModule:
@@ -69,8 +75,8 @@ def parallelize(model, plan: Plan, rank: int | None = None, groups=None) -> torc
 
     groups = mesh_groups(plan.mesh) if groups is None else groups
     rank = dist.get_rank() if rank is None else rank
-    inputs = inputs_from_specs(plan.inputs, device=_device_of(model))
-    gm = capture(model, inputs)
+    args, kwargs = inputs_from_specs(plan.inputs, device=_device_of(model))
+    gm = capture(model, args, kwargs)
     return lower(gm, plan, rank, groups)
 
 

@@ -14,6 +14,7 @@ import traceback
 import torch
 import torch.fx as fx
 
+from autotp.capture.hf import capture_settings
 from autotp.capture.normalize import normalize
 from autotp.errors import CaptureError
 
@@ -37,7 +38,8 @@ def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> f
     if not isinstance(example_inputs, tuple):
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
     try:
-        program = torch.export.export(model, example_inputs, example_kwargs, strict=False)
+        with capture_settings(model):
+            program = torch.export.export(model, example_inputs, example_kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - any export failure becomes one clear error
         raise CaptureError(
             f"torch.export could not capture {type(model).__name__}: {_describe_export_failure(exc)}. "
@@ -46,8 +48,34 @@ def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> f
         ) from exc
     gm = program.module()
     _drop_guards(gm)
+    merge_tied_parameters(gm, {id(p): name for name, p in model.named_parameters()})
     normalize(gm)
     return gm
+
+
+def merge_tied_parameters(gm: fx.GraphModule, canonical: dict[int, str]) -> None:
+    """One ``get_attr`` node per parameter tensor, named as ``model.named_parameters()`` names it.
+
+    Tied weights (GPT-2's ``lm_head`` and ``wte``) are one parameter: they must
+    get one placement and one gradient, so every use reads the same node.
+    """
+    kept: dict[int, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        try:
+            tensor = gm.get_parameter(node.target)
+        except AttributeError:
+            continue  # a buffer or constant
+        key = id(tensor)
+        if key in kept:
+            node.replace_all_uses_with(kept[key])
+            gm.graph.erase_node(node)
+            continue
+        kept[key] = node
+        node.target = canonical.get(key, node.target)
+    gm.graph.lint()
+    gm.recompile()
 
 
 def _drop_guards(gm: fx.GraphModule) -> None:
@@ -58,16 +86,32 @@ def _drop_guards(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def example_specs(example_inputs) -> list[dict]:
-    """Shape and dtype of each positional example input, for storing in a plan."""
-    specs = []
-    for x in example_inputs:
-        if not isinstance(x, torch.Tensor):
-            raise CaptureError(f"example input of type {type(x).__name__} is not a tensor; pass tensors only")
-        specs.append({"shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")})
-    return specs
+_LITERALS = (bool, int, float, str, type(None))
 
 
-def inputs_from_specs(specs, device="meta") -> tuple:
+def _spec(value, where: str):
+    if isinstance(value, torch.Tensor):
+        return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
+                "requires_grad": bool(value.requires_grad)}
+    if isinstance(value, _LITERALS):
+        return {"value": value}
+    raise CaptureError(f"example input {where} is a {type(value).__name__}; pass tensors, or plain "
+                       "bool/int/float/str values")
+
+
+def example_specs(example_inputs, example_kwargs=None) -> dict:
+    """Shapes and dtypes of the example inputs (and plain keyword values), for storing in a plan."""
+    return {"args": [_spec(x, f"#{i}") for i, x in enumerate(example_inputs)],
+            "kwargs": {k: _spec(v, repr(k)) for k, v in sorted((example_kwargs or {}).items())}}
+
+
+def _value(spec, device):
+    if "value" in spec:
+        return spec["value"]
+    return torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=device)
+
+
+def inputs_from_specs(specs: dict, device="meta") -> tuple[tuple, dict]:
     """Zero tensors matching stored input specs: enough to re-capture the same graph."""
-    return tuple(torch.zeros(s["shape"], dtype=getattr(torch, s["dtype"]), device=device) for s in specs)
+    return (tuple(_value(s, device) for s in specs["args"]),
+            {k: _value(s, device) for k, s in specs["kwargs"].items()})

@@ -42,10 +42,18 @@ def shard_tensor(full: torch.Tensor, layout, mesh_shape, coords) -> torch.Tensor
     return piece.detach().clone()
 
 
-def _set_param(gm: fx.GraphModule, fqn: str, value: torch.Tensor, requires_grad: bool) -> None:
+def _set_param(gm: fx.GraphModule, fqn: str, param: torch.nn.Parameter) -> None:
     owner_name, _, leaf = fqn.rpartition(".")
     owner = gm.get_submodule(owner_name) if owner_name else gm
-    setattr(owner, leaf, torch.nn.Parameter(value, requires_grad=requires_grad))
+    setattr(owner, leaf, param)
+
+
+def parameter_aliases(module: torch.nn.Module) -> list[tuple[list[str], torch.nn.Parameter]]:
+    """Each distinct parameter with every name it is reachable by (tied weights have several)."""
+    groups: dict[int, tuple[list[str], torch.nn.Parameter]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), ([], param))[0].append(name)
+    return list(groups.values())
 
 
 class _Lowerer:
@@ -133,11 +141,14 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None) -> fx.GraphModule:
     check_plan_fits(gm, plan)
     coords = plan.mesh.coords(rank)
     low = _Lowerer(gm, plan, coords, groups)
-    for fqn, param in list(gm.named_parameters()):
-        if fqn not in plan.parameters:
-            raise PlanError(f"parameter {fqn!r} is not in the plan: re-plan this model")
-        layout = parse_layout(plan.parameters[fqn])
-        _set_param(gm, fqn, shard_tensor(param, layout, plan.mesh.shape, coords), param.requires_grad)
+    for names, param in parameter_aliases(gm):
+        planned = [n for n in names if n in plan.parameters]
+        if not planned:
+            raise PlanError(f"parameter {names[0]!r} is not in the plan: re-plan this model")
+        shard = shard_tensor(param, parse_layout(plan.parameters[planned[0]]), plan.mesh.shape, coords)
+        local = torch.nn.Parameter(shard, requires_grad=param.requires_grad)
+        for name in names:  # tied weights stay one parameter
+            _set_param(gm, name, local)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.name in plan.nodes:
             _rewrite_inputs(low, node, _node_plan(plan, node))

@@ -51,7 +51,7 @@ def all_collectives(graph, chosen, mesh, profile, training) -> list[dict]:
     return out
 
 
-def assemble_plan(graph, problem, solution, mesh, profile, training, inputs, input_requires_grad) -> Plan:
+def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dict) -> Plan:
     chosen = chosen_strategies(problem, solution)
     collectives = all_collectives(graph, chosen, mesh, profile, training)
     compute_s = sum(compute_time_s(op, chosen[op.name], mesh, profile, training) for op in graph.nodes())
@@ -67,8 +67,7 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs, inp
         predicted={"compute_s": compute_s, "comm_s": comm_s, "total_s": compute_s + comm_s,
                    "objective_s": solution.objective_s},
         memory=memory_by_term(graph, chosen, mesh, training),
-        inputs=[dict(spec, requires_grad=bool(input_requires_grad.get(name, False)))
-                for name, spec in inputs],
+        inputs=inputs,
         ilp={"groups": len(problem.groups), "edges": len(problem.edges), "variables": solution.variables,
              "constraints": solution.constraints, "ops": len(graph)},
     )

@@ -15,7 +15,7 @@ from autotp.errors import PlanError
 from autotp.mesh import Mesh
 from autotp.placement import parse_layout
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Plan:
     collectives: list[dict]
     predicted: dict[str, float]
     memory: dict[str, int]
-    inputs: list[dict]
+    inputs: dict  # {"args": [spec], "kwargs": {name: spec}}: shapes and dtypes, to re-capture
     ilp: dict[str, int]
     stats: dict = field(default_factory=dict, compare=False)
 
@@ -78,7 +78,7 @@ class Plan:
             nodes={k: NodePlan(n["op"], tuple(n["out"]), tuple(tuple(i) for i in n["ins"]))
                    for k, n in d["nodes"].items()},
             fallback_ops=dict(d["fallback_ops"]), collectives=list(d["collectives"]),
-            predicted=dict(d["predicted"]), memory=dict(d["memory"]), inputs=list(d["inputs"]), ilp=dict(d["ilp"]),
+            predicted=dict(d["predicted"]), memory=dict(d["memory"]), inputs=dict(d["inputs"]), ilp=dict(d["ilp"]),
         )
 
     @classmethod

@@ -44,7 +44,8 @@ def default_registry() -> dict:
     add(["add", "sub"], pointwise.add_rule, follower=True)
     add(["mul"], pointwise.mul_rule, follower=True)
     add(["div"], pointwise.div_rule, follower=True)
-    add(["where", "masked_fill", "maximum", "minimum"], pointwise.unary_rule, follower=True)
+    add(["where", "masked_fill", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "__and__", "__or__",
+         "logical_not", "bitwise_not"], pointwise.unary_rule, follower=True)
     add(["_softmax", "softmax", "_log_softmax", "log_softmax"], norms.softmax_rule, follower=True)
     add(["layer_norm"], norms.layer_norm_rule, follower=True)
     add(["view", "reshape", "_unsafe_view"], views.view_rule, follower=True)
