@@ -4,6 +4,10 @@
 becomes ``add(mm(x, w), b)``: a bias cannot be added to a partial sum on every
 device, so splitting it off lets the planner all-reduce the row-parallel
 product first and add the bias once, as Megatron-LM does.
+
+``mean(x, dims)`` becomes ``sum(x, dims) / count``: a sum over a split dim is a
+partial sum, so an RMSNorm over a hidden dim split across devices all-reduces
+one number per row instead of gathering the whole activation.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ def normalize(gm: fx.GraphModule) -> None:
     """Apply every normalization pass in place."""
     split_linear_bias(gm)
     split_addmm(gm)
+    mean_as_sum(gm)
     gm.graph.lint()
     gm.recompile()
 
@@ -50,4 +55,26 @@ def split_addmm(gm: fx.GraphModule) -> None:
             add = graph.call_function(aten.add.Tensor, (mm, b))
         mm.meta, add.meta = dict(node.meta), dict(node.meta)
         node.replace_all_uses_with(add)
+        graph.erase_node(node)
+
+
+def mean_as_sum(gm: fx.GraphModule) -> None:
+    """``mean.dim(x, dims, keepdim)`` -> ``div(sum.dim_IntList(x, dims, keepdim), count)``."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != aten.mean.dim or node.kwargs.get("dtype") is not None:
+            continue
+        x = node.args[0]
+        dims = node.args[1] if len(node.args) > 1 else None
+        keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+        shape = x.meta["val"].shape
+        reduced = range(len(shape)) if not dims else [d % len(shape) for d in dims]
+        count = 1
+        for d in reduced:
+            count *= int(shape[d])
+        with graph.inserting_before(node):
+            total = graph.call_function(aten.sum.dim_IntList, (x, list(dims or []), keepdim))
+            mean = graph.call_function(aten.div.Tensor, (total, count))
+        total.meta, mean.meta = dict(node.meta), dict(node.meta)
+        node.replace_all_uses_with(mean)
         graph.erase_node(node)

@@ -62,6 +62,7 @@ class _Lowerer:
         self.comms = [AxisComm(name, size, coords[a], (groups or {}).get(a))
                       for a, (name, size) in enumerate(zip(self.mesh.names, self.mesh.shape))]
         self.modules: dict[tuple, str] = {}
+        self.shared: dict[tuple, fx.Node] = {}
 
     def collective(self, kind: str, axis: int, dim) -> str:
         key = (kind, axis, dim)
@@ -72,12 +73,21 @@ class _Lowerer:
         return self.modules[key]
 
     def redistribute(self, node: fx.Node, src, dst, grad_axes=()) -> fx.Node:
-        """Insert the steps from ``src`` to ``dst`` (and the gradient all-reduces) before the current point."""
+        """Insert the steps from ``src`` to ``dst`` (and the gradient all-reduces) before the current point.
+
+        Consumers that need the same tensor in the same layout share one copy:
+        one all-gather forward, and one reduction of their summed partial gradients.
+        """
         meta = meta_of(node.meta["val"])
-        for step in plan_steps(src, dst, meta, self.mesh.shape, grad_axes if meta.is_float else ()):
-            if self.mesh.shape[step.axis] > 1:
-                node = self._call(self.collective(step.kind, step.axis, step.dim), node)
-        return node
+        grad_axes = tuple(a for a in grad_axes if self.mesh.shape[a] > 1) if meta.is_float else ()
+        key = (node.name, tuple(src), tuple(dst), grad_axes)
+        if key not in self.shared:
+            out = node
+            for step in plan_steps(src, dst, meta, self.mesh.shape, grad_axes):
+                if self.mesh.shape[step.axis] > 1:
+                    out = self._call(self.collective(step.kind, step.axis, step.dim), out)
+            self.shared[key] = out
+        return self.shared[key]
 
     def _call(self, module: str, arg: fx.Node) -> fx.Node:
         new = self.gm.graph.call_module(module, (arg,))

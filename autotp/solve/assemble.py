@@ -34,14 +34,20 @@ def edge_collectives(mesh, profile, training, node, producer, index, src, dst, m
 
 
 def all_collectives(graph, chosen, mesh, profile, training) -> list[dict]:
-    out = []
+    """The collectives of the lowered program; consumers of one tensor in one layout share them."""
+    out, seen = [], set()
     for op in graph.nodes():
         s = chosen[op.name]
         for i, producer in enumerate(op.inputs):
             meta = op.in_metas[i]
             grad = op.requires_grad and graph.node(producer).requires_grad and meta.is_float
+            axes = tuple(a for a in s.grad_allreduce_axes(i) if mesh.shape[a] > 1)
+            key = (producer, chosen[producer].out, s.ins[i], axes if grad else ())
+            if key in seen:
+                continue
+            seen.add(key)
             out += edge_collectives(mesh, profile, training, op.name, producer, i, chosen[producer].out,
-                                    s.ins[i], meta, grad, s.grad_allreduce_axes(i))
+                                    s.ins[i], meta, grad, axes)
     r = (R,) * mesh.ndim
     for name in graph.outputs:
         op = graph.node(name)

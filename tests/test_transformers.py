@@ -1,0 +1,112 @@
+"""transformers' Llama, GPT-2, BERT and ViT: planned as they are, exact on real process groups.
+
+Built from configs with random weights; nothing is downloaded. Each mesh runs
+one group of processes for all cases: every family in eval and in train mode
+(dropout 0) under the ILP's plan, Llama under Hugging Face's own tensor-parallel
+plan, and the shapes that stress sharding (fewer K/V heads than devices, a head
+count and a vocabulary the mesh does not divide).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import autotp
+import hf_models
+from autotp.runtime import spawn
+from autotp.runtime.verify import max_errors
+from conftest import compute_bound_profile
+
+TOLERANCE = 1e-5
+MATMULS = ("linear", "mm", "bmm", "matmul", "addmm")
+
+
+def hf_tp_plan_pins(model) -> dict:
+    """Hugging Face's ``base_model_tp_plan`` for Llama as autotp pins: colwise = S(0), rowwise = S(1)."""
+    plan = dict(type(model.config).base_model_tp_plan)
+    pins = {}
+    for name, _ in model.named_parameters():
+        placement = "R"
+        for pattern, style in plan.items():
+            if re.fullmatch("model." + pattern.replace(".", r"\.").replace("*", r"\d+") + r"\.weight", name):
+                placement = {"colwise": "S(0)", "rowwise": "S(1)"}.get(style, "R")
+        if name == "lm_head.weight":
+            placement = "S(0)"  # colwise_gather_output
+        pins[name] = (placement,)
+    return pins
+
+
+CASES = [(name, {}, train, "ilp") for name in hf_models.FAMILIES for train in (False, True)] + [
+    ("llama", {}, True, "hf_tp_plan"),
+    ("llama", {"heads": 4, "kv_heads": 2}, True, "hf_tp_plan"),  # 2 K/V heads on 4 devices
+    ("llama", {"heads": 6, "kv_heads": 6, "hidden": 48}, True, "ilp"),  # 6 heads on 4 devices
+    ("llama", {"vocab": 1001}, True, "ilp"),  # a vocabulary 4 does not divide
+]
+
+
+def _plan(name, overrides, train, kind, mesh):
+    model, args, kwargs = hf_models.build(name, train, **overrides)
+    if kind == "hf_tp_plan":
+        pins = {k: ("R",) * (mesh.ndim - 1) + v for k, v in hf_tp_plan_pins(model).items()}
+        return autotp.plan(model, mesh, args, kwargs, pin=pins)
+    return autotp.plan(model, mesh, args, kwargs, profile=compute_bound_profile())
+
+
+def _run(rank, world, cases):
+    out = []
+    for name, overrides, train, kind, plan in cases:
+        model, args, kwargs = hf_models.build(name, train, **overrides)
+        out.append(max_errors(model, plan, args, rank, kwargs=kwargs))
+    return out
+
+
+@pytest.fixture(scope="module", params=["2", "4", "2x2"])
+def results(request):
+    mesh = autotp.Mesh(request.param)
+    cases = [(n, o, t, k, _plan(n, o, t, k, mesh)) for n, o, t, k in CASES]
+    return mesh, cases, spawn(_run, mesh.size, cases)
+
+
+def test_logits_and_every_gradient_match(results):
+    mesh, cases, per_rank = results
+    for rank, errors in enumerate(per_rank):
+        for (name, overrides, train, kind, _), err in zip(cases, errors):
+            where = f"{name}{overrides or ''} ({'train' if train else 'eval'}, {kind}) on {mesh}, rank {rank}"
+            assert err["output"] <= TOLERANCE, f"{where}: output error {err['output']:.2e}"
+            assert err["gradient"] <= TOLERANCE, f"{where}: gradient error {err['gradient']:.2e}"
+            assert err["parameters"] > 0, where
+
+
+def test_no_matmul_falls_back(results):
+    _, cases, _ = results
+    for name, _, _, _, plan in cases:
+        bad = [n for n, reason in plan.fallback_ops.items() if plan.nodes[n].op.split(".")[0] in MATMULS]
+        assert not bad, f"{name}: {bad}"
+
+
+def test_tied_embeddings_stay_one_parameter():
+    model, args, kwargs = hf_models.build("gpt2")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    plan = autotp.plan(model, autotp.Mesh("2"), args, kwargs, profile=compute_bound_profile())
+    assert "transformer.wte.weight" in plan.parameters and "lm_head.weight" not in plan.parameters
+    assert set(plan.parameters) == {n for n, _ in model.named_parameters()}
+
+
+def _output_structure(rank, world, plan):
+    model, args, kwargs = hf_models.build("llama", train=False)
+    local = autotp.parallelize(model, plan)
+    out = local(*args, **kwargs)
+    return type(out).__name__, sorted(k for k, v in out.items() if v is not None)
+
+
+def test_outputs_keep_their_class_without_the_cache():
+    """The lowered module returns transformers' output class; the KV cache is off while capturing."""
+    model, args, kwargs = hf_models.build("llama", train=False)
+    plan = autotp.plan(model, autotp.Mesh("2"), args, kwargs, profile=compute_bound_profile())
+    assert model.config.use_cache  # the user's model is left as it was
+    for name, keys in spawn(_output_structure, 2, plan):
+        assert name == type(model(*args, **kwargs)).__name__ == "CausalLMOutputWithPast"
+        assert keys == ["logits", "loss"]
