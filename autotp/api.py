@@ -19,6 +19,7 @@ from autotp.solve.ilp import solve
 from autotp.solve.plan import Plan
 from autotp.solve.problem import build_problem
 from autotp.strategies import default_registry, enumerate_strategies
+from autotp.strategies.enumerate import prune_unreachable
 
 DEFAULT_PROFILE = "h100-hgx"
 
@@ -50,6 +51,7 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     graph = build_opgraph(gm, _placeholder_grads(gm, example_inputs, example_kwargs))
     strategies = enumerate_strategies(graph, mesh.shape, registry or default_registry())
     apply_constraints(graph, strategies, pin, allow)
+    prune_unreachable(graph, strategies)
     problem = build_problem(graph, strategies, mesh, profile, training)
     solution = solve(problem, time_limit_s)
     result = assemble_plan(graph, problem, solution, mesh, profile, training,

@@ -11,8 +11,8 @@ import torch
 VOCAB, SEQ, BATCH = 128, 8, 4
 
 
-def _ids(vocab: int = VOCAB):
-    return torch.randint(0, vocab, (BATCH, SEQ))
+def _ids(vocab: int = VOCAB, batch: int = BATCH, seq: int = SEQ, device=None):
+    return torch.randint(0, vocab, (batch, seq), device=device)
 
 
 def llama(vocab=VOCAB, heads=4, kv_heads=2, layers=2, hidden=64):
@@ -43,13 +43,14 @@ def bert(vocab=VOCAB, heads=4, layers=2, hidden=64):
     return BertForMaskedLM(config), (ids,), {"labels": ids}
 
 
-def vit(heads=4, layers=2, hidden=64):
+def vit(heads=4, layers=2, hidden=64, image=32, patch=8, batch=BATCH):
     from transformers import ViTConfig, ViTForImageClassification
 
-    config = ViTConfig(image_size=32, patch_size=8, hidden_size=hidden, num_hidden_layers=layers,
+    config = ViTConfig(image_size=image, patch_size=patch, hidden_size=hidden, num_hidden_layers=layers,
                        num_attention_heads=heads, intermediate_size=2 * hidden, num_labels=10,
                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return ViTForImageClassification(config), (torch.randn(BATCH, 3, 32, 32),), {"labels": torch.arange(BATCH)}
+    images = torch.randn(batch, 3, image, image)
+    return ViTForImageClassification(config), (images,), {"labels": torch.arange(batch) % 10}
 
 
 FAMILIES = {"llama": llama, "gpt2": gpt2, "bert": bert, "vit": vit}
@@ -61,3 +62,19 @@ def build(name: str, train: bool = True, **overrides):
     model, args, kwargs = FAMILIES[name](**overrides)
     model.train(train)
     return model, args, kwargs
+
+
+LARGE = {  # shapes worth splitting across 4 GPUs; built on the meta device, never allocated
+    "llama": dict(vocab=32000, heads=32, kv_heads=8, layers=2, hidden=4096),
+    "gpt2": dict(vocab=50304, heads=16, layers=2, hidden=2048),
+    "bert": dict(vocab=30720, heads=16, layers=2, hidden=1024),
+    "vit": dict(heads=16, layers=2, hidden=1280, image=224, patch=14, batch=8),
+}
+
+
+def build_large(name: str):
+    """The family at a size worth splitting, on the meta device, with meta example inputs."""
+    with torch.device("meta"):
+        model, args, kwargs = FAMILIES[name](**LARGE[name])
+    to_meta = lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return model, tuple(to_meta(a) for a in args), {k: to_meta(v) for k, v in kwargs.items()}

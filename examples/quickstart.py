@@ -3,7 +3,7 @@
 1. ``autotp.plan`` picks a placement for every parameter and op of a large
    model built on the ``meta`` device (nothing allocated), under the shipped
    H100 profile, and prints the plan.
-2. The same placements are applied to a small copy of the model, which runs on
+2. The same plan, op by op, is replayed on a small copy of the model, which runs on
    4 gloo processes; outputs and every gradient are compared with the
    single-device model.
 
@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import autotp  # noqa: E402
 from autotp.runtime import spawn  # noqa: E402
+from autotp.solve.constraints import same_as  # noqa: E402
 from autotp.runtime.verify import max_errors  # noqa: E402
 from models import GPT, MLP  # noqa: E402
 
@@ -33,7 +34,7 @@ def large_and_small(name: str):
         with torch.device("meta"):
             large = MLP(4096, 16384)
         torch.manual_seed(0)
-        return (large, (torch.empty(8, 512, 4096, device="meta"),)), (MLP(32, 128), (torch.randn(8, 32),))
+        return (large, (torch.empty(8, 512, 4096, device="meta"),)), (MLP(32, 128), (torch.randn(2, 4, 32),))
     with torch.device("meta"):
         large = GPT(vocab=32000, hidden=8192, heads=64, layers=2, seq=16)
     idx = torch.zeros(1, 16, dtype=torch.long, device="meta")
@@ -58,7 +59,7 @@ def main() -> None:
         plan = autotp.plan(large, MESH, large_inputs)
         print(f"===== {name}: plan at scale ({plan.stats['plan_s']:.1f} s) =====")
         print(plan.summary(), "\n")
-        small_plan = autotp.plan(small, MESH, small_inputs, pin=plan.parameters)
+        small_plan = autotp.plan(small, MESH, small_inputs, allow=same_as(plan))
         cases.append((name, small_plan))
     print(f"running the small models on {MESH.size} gloo processes ...")
     results = spawn(run_on_rank, MESH.size, cases)

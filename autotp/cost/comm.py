@@ -23,3 +23,21 @@ def collective_time_s(kind: str, axis: int, message_bytes: float, mesh, profile)
 
 
 __all__ = ["collective_time_s", "bus_factor", "ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER"]
+
+
+def inner_time_s(op, strategy, mesh, profile) -> float:
+    """All-reduces run inside a strategy's own implementation: one fp32 value per local row each."""
+    total = 0.0
+    for axis, calls in enumerate(strategy.inner_all_reduces):
+        if calls:
+            rows = op.in_metas[0].shape[0] // _row_split(strategy.ins[0], mesh.shape)
+            total += calls * collective_time_s(ALL_REDUCE, axis, rows * 4, mesh, profile)
+    return total
+
+
+def _row_split(layout, mesh_shape) -> int:
+    n = 1
+    for p, size in zip(layout, mesh_shape):
+        if getattr(p, "dim", None) == 0:
+            n *= size
+    return n

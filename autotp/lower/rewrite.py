@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from autotp.errors import PlanError
 from autotp.graph.opgraph import TensorMeta, build_opgraph, meta_of, tensor_input_nodes
 from autotp.lower.collectives import AxisComm, Collective
+from autotp.lower.impls import build_impl
 from autotp.lower.local_args import localize_args
 from autotp.placement import R, Replicate, Shard, local_shape, parse_layout, shard_index
 from autotp.redistribute import plan_steps
@@ -124,6 +125,9 @@ def _rewrite_inputs(low: _Lowerer, node: fx.Node, entry) -> None:
         return a
 
     node.args, node.kwargs = pytree.tree_map(swap, (node.args, dict(node.kwargs)))
+    if entry.impl:
+        _use_impl(low, node, entry, inputs)
+        return
     meta = meta_of(node.meta["val"])
     if isinstance(meta, TensorMeta):
         node.args = localize_args(node.target, node.args, local_shape(meta.shape, entry.out_layout(), low.mesh.shape))
@@ -141,6 +145,17 @@ def check_plan_fits(gm: fx.GraphModule, plan) -> None:
     raise PlanError(f"the plan does not fit this model (nodes not in the plan: {missing}, plan nodes not in the "
                     f"model: {extra}, different ops: {changed}): it was made for a different model or inputs; "
                     "re-plan with autotp.plan")
+
+
+def _use_impl(low: _Lowerer, node: fx.Node, entry, inputs) -> None:
+    """Replace the op by the module that implements its strategy on this device."""
+    shapes = [tuple(meta_of(n.meta["val"]).shape) for n in inputs]
+    module = build_impl(entry.impl, node.target, node.args, dict(node.kwargs), entry.in_layouts(), shapes,
+                        low.coords, low.mesh.shape, low.comms)
+    name = f"{entry.impl}_{node.name}"
+    low.gm.add_submodule(name, module)
+    node.op, node.target = "call_module", name
+    node.args, node.kwargs = tuple(a for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node)), {}
 
 
 def lower(gm: fx.GraphModule, plan, rank: int, groups=None) -> fx.GraphModule:

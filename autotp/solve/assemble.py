@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autotp.cost.comm import collective_time_s
+from autotp.cost.comm import _row_split, collective_time_s
 from autotp.cost.compute import compute_time_s
 from autotp.cost.memory import memory_by_term
 from autotp.graph.opgraph import KIND_PARAM
@@ -33,11 +33,22 @@ def edge_collectives(mesh, profile, training, node, producer, index, src, dst, m
     return out
 
 
+def inner_collectives(op, strategy, mesh, profile) -> list[dict]:
+    """The all-reduces a strategy's own implementation runs (vocabulary-parallel loss)."""
+    out = []
+    for axis, calls in enumerate(strategy.inner_all_reduces):
+        if calls and mesh.shape[axis] > 1:
+            rows = op.in_metas[0].shape[0] // _row_split(strategy.ins[0], mesh.shape)
+            out += [_record(mesh, profile, op.name, op.name, 0, "forward", "all_reduce", axis, rows * 4)] * calls
+    return out
+
+
 def all_collectives(graph, chosen, mesh, profile, training) -> list[dict]:
     """The collectives of the lowered program; consumers of one tensor in one layout share them."""
     out, seen = [], set()
     for op in graph.nodes():
         s = chosen[op.name]
+        out += inner_collectives(op, s, mesh, profile)
         for i, producer in enumerate(op.inputs):
             meta = op.in_metas[i]
             grad = op.requires_grad and graph.node(producer).requires_grad and meta.is_float
@@ -63,7 +74,7 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
     compute_s = sum(compute_time_s(op, chosen[op.name], mesh, profile, training) for op in graph.nodes())
     comm_s = sum(c["time_s"] for c in collectives)
     nodes = {op.name: NodePlan(op.op_name, layout_str(chosen[op.name].out),
-                               tuple(layout_str(layout) for layout in chosen[op.name].ins))
+                               tuple(layout_str(layout) for layout in chosen[op.name].ins), chosen[op.name].impl)
              for op in graph.nodes()}
     params = {op.fqn: layout_str(chosen[op.name].out) for op in graph.nodes() if op.kind == KIND_PARAM}
     fallback = {name: reason for name, reason in problem.strategies.fallback.items()}

@@ -27,7 +27,11 @@ def data_parallel_only(op, strategy) -> bool:
 
 
 def apply_constraints(graph, strategies, pin: dict | None, allow) -> None:
-    """Filter ``strategies.by_node`` in place; errors name the parameter and what it could be."""
+    """Filter ``strategies.by_node`` in place; errors name the parameter and what it could be.
+
+    An op that ``allow`` leaves with no strategy is replicated, unless the
+    filter is marked ``strict`` (as `same_as` is): then that is an error.
+    """
     fqn_to_node = {op.fqn: op.name for op in graph.nodes() if op.kind == KIND_PARAM}
     for fqn, placements in (pin or {}).items():
         if fqn not in fqn_to_node:
@@ -45,4 +49,28 @@ def apply_constraints(graph, strategies, pin: dict | None, allow) -> None:
         return
     for op in graph.nodes():
         kept = [s for s in strategies.by_node[op.name] if allow(op, s)]
+        if not kept and getattr(allow, "strict", False):
+            raise PlanError(f"op {op.name} ({op.op_name}) has no strategy the filter accepts at these shapes "
+                            f"({', '.join(str(m) for m in op.in_metas)}): give the smaller model inputs of the "
+                            "same rank and sizes the mesh divides")
         strategies.by_node[op.name] = kept or [s for s in strategies.by_node[op.name] if s.is_replicated]
+
+
+def same_as(plan):
+    """A filter that keeps, for every op, exactly the strategy ``plan`` chose for the node of that name.
+
+    Replays a plan made at one size (say, on the meta device at full scale) on
+    a smaller model of the same architecture, so a CPU run checks the very
+    program the large plan describes, not merely the same parameter placements.
+    Ops the plan does not name keep all their strategies.
+    """
+
+    def allow(op, strategy) -> bool:
+        entry = plan.nodes.get(op.name)
+        if entry is None or entry.op != op.op_name:
+            return True
+        return (layout_str(strategy.out) == tuple(entry.out) and strategy.impl == entry.impl
+                and tuple(layout_str(layout) for layout in strategy.ins) == tuple(tuple(i) for i in entry.ins))
+
+    allow.strict = True  # an op with no matching strategy is an error, not a silent replicate
+    return allow

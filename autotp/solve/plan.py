@@ -25,6 +25,7 @@ class NodePlan:
     op: str
     out: tuple[str, ...]
     ins: tuple[tuple[str, ...], ...]
+    impl: str | None = None  # a local implementation other than the op itself, e.g. "vocab_parallel"
 
     def out_layout(self):
         return parse_layout(self.out)
@@ -55,8 +56,7 @@ class Plan:
             "version": PLAN_VERSION, "mesh": self.mesh.to_dict(), "profile": self.profile,
             "training": self.training,
             "parameters": {k: list(v) for k, v in self.parameters.items()},
-            "nodes": {k: {"op": n.op, "out": list(n.out), "ins": [list(i) for i in n.ins]}
-                      for k, n in self.nodes.items()},
+            "nodes": {k: _node_dict(n) for k, n in self.nodes.items()},
             "fallback_ops": dict(self.fallback_ops), "collectives": self.collectives,
             "predicted": {k: _round(v) for k, v in self.predicted.items()}, "memory": self.memory,
             "inputs": self.inputs, "ilp": self.ilp,
@@ -75,7 +75,7 @@ class Plan:
         return cls(
             mesh=Mesh.from_dict(d["mesh"]), profile=d["profile"], training=d["training"],
             parameters={k: tuple(v) for k, v in d["parameters"].items()},
-            nodes={k: NodePlan(n["op"], tuple(n["out"]), tuple(tuple(i) for i in n["ins"]))
+            nodes={k: NodePlan(n["op"], tuple(n["out"]), tuple(tuple(i) for i in n["ins"]), n.get("impl"))
                    for k, n in d["nodes"].items()},
             fallback_ops=dict(d["fallback_ops"]), collectives=list(d["collectives"]),
             predicted=dict(d["predicted"]), memory=dict(d["memory"]), inputs=dict(d["inputs"]), ilp=dict(d["ilp"]),
@@ -96,6 +96,13 @@ class Plan:
         from autotp.solve.summary import format_summary
 
         return format_summary(self)
+
+
+def _node_dict(n: NodePlan) -> dict:
+    d = {"op": n.op, "out": list(n.out), "ins": [list(i) for i in n.ins]}
+    if n.impl:
+        d["impl"] = n.impl
+    return d
 
 
 def _round(x: float) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from autotp.cost.comm import inner_time_s
 from autotp.cost.compute import compute_time_s
 from autotp.cost.reshard import edge_time_s
 from autotp.graph.opgraph import OpGraph
@@ -89,7 +90,9 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
     for op in graph.nodes():
         group = groups[group_of[op.name]]
         for c in range(group.n):
-            group.cost_s[c] += compute_time_s(op, problem.strategy(op.name, c), mesh, profile, training)
+            strategy = problem.strategy(op.name, c)
+            group.cost_s[c] += compute_time_s(op, strategy, mesh, profile, training)
+            group.cost_s[c] += inner_time_s(op, strategy, mesh, profile)
     for op in graph.nodes():
         for i, producer in enumerate(op.inputs):
             _add_edge(problem, graph, producer, op, i, mesh, profile, training)

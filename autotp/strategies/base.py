@@ -21,10 +21,18 @@ from autotp.placement import P, R, Partial, Replicate, Shard, divides
 
 @dataclass(frozen=True)
 class AxisOption:
-    """One way to split an op on one mesh axis: ``ins`` arrive as given, ``out`` results."""
+    """One way to split an op on one mesh axis: ``ins`` arrive as given, ``out`` results.
+
+    ``impl`` names a local implementation other than the op itself (see
+    ``autotp.lower.impls``), e.g. a vocabulary-parallel embedding that masks the
+    rows another device holds. ``inner_all_reduces`` counts the all-reduces of
+    one value per row that such an implementation runs on this axis.
+    """
 
     out: object
     ins: tuple
+    impl: str | None = None
+    inner_all_reduces: int = 0
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,8 @@ class Strategy:
 
     out: tuple
     ins: tuple  # one layout (tuple over mesh axes) per tensor input
+    impl: str | None = None  # a special local implementation (see AxisOption)
+    inner_all_reduces: tuple = ()  # per mesh axis, all-reduces run inside the implementation
 
     def grad_allreduce_axes(self, i: int) -> tuple[int, ...]:
         """Mesh axes on which input ``i``'s local gradient is a partial sum although the input is R.
@@ -56,7 +66,8 @@ class Strategy:
 
     def describe(self) -> str:
         ins = ", ".join("".join(str(p) for p in layout) for layout in self.ins)
-        return f"({ins}) -> {''.join(str(p) for p in self.out)}"
+        impl = f" [{self.impl}]" if self.impl else ""
+        return f"({ins}) -> {''.join(str(p) for p in self.out)}{impl}"
 
 
 Rule = Callable[[object], list]  # OpNode -> list[AxisOption]
@@ -79,8 +90,12 @@ def expand(op, options: list, mesh_shape) -> list[Strategy]:
     options = [replicate_option(len(op.inputs))] + [o for o in options if o != replicate_option(len(op.inputs))]
     seen, out = set(), []
     for combo in product(options, repeat=len(mesh_shape)):
+        impls = {o.impl for o in combo} - {None}
+        if len(impls) > 1:
+            continue
         s = Strategy(out=tuple(o.out for o in combo),
-                     ins=tuple(tuple(o.ins[i] for o in combo) for i in range(len(op.inputs))))
+                     ins=tuple(tuple(o.ins[i] for o in combo) for i in range(len(op.inputs))),
+                     impl=next(iter(impls), None), inner_all_reduces=tuple(o.inner_all_reduces for o in combo))
         if s in seen or not _fits(op, s, mesh_shape):
             continue
         seen.add(s)

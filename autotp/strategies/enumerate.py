@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from autotp.graph.opgraph import KIND_OP, KIND_PARAM, OpGraph
 from autotp.strategies.base import AxisOption, Strategy, expand
-from autotp.placement import R, Shard
+from autotp.placement import Partial, R, Shard
 
 
 @dataclass
@@ -52,3 +52,26 @@ def enumerate_strategies(graph: OpGraph, mesh_shape, registry) -> OpStrategies:
 
 def replicated_strategy(op, mesh_ndim: int) -> Strategy:
     return Strategy(out=(R,) * mesh_ndim, ins=tuple((R,) * mesh_ndim for _ in op.inputs))
+
+
+def prune_unreachable(graph: OpGraph, strategies: OpStrategies) -> None:
+    """Drop strategies that need a partial sum (P) from a producer that can never make one.
+
+    Walks in topological order, so the check is transitive: a bias add cannot
+    be P (its bias is a parameter), so a residual add that would need it as P is
+    dropped too. Without this, follower merging could tie a group to choices
+    the ILP cannot satisfy.
+    """
+    for op in graph.nodes():
+        kept = [s for s in strategies.by_node[op.name] if _partials_reachable(s, op, strategies)]
+        strategies.by_node[op.name] = kept or [replicated_strategy(op, len(s.out))
+                                               for s in strategies.by_node[op.name][:1]]
+
+
+def _partials_reachable(strategy: Strategy, op, strategies: OpStrategies) -> bool:
+    for layout, producer in zip(strategy.ins, op.inputs):
+        for axis, placement in enumerate(layout):
+            if isinstance(placement, Partial) and not any(
+                    isinstance(t.out[axis], Partial) for t in strategies.by_node[producer]):
+                return False
+    return True

@@ -83,6 +83,8 @@ def _strategies_of(name, model, inputs, n):
             continue  # getitem takes a list; split's own cases cover its layouts
         args, kwargs, _ = rec.seen[op.name]
         for s in strategies.by_node[op.name]:
+            if s.impl:
+                continue  # runs its own module with collectives: tests/test_vocab_parallel.py
             yield f"{name}-n{n}-{op.name}-{s.describe()}", n, op, nodes[op.name].target, args, kwargs, s
 
 
@@ -107,7 +109,7 @@ def test_every_family_is_exercised():
     ops = {c[2].op_name.split(".")[0] for c in CASES}
     for family in ("linear", "matmul", "bmm", "mm", "add", "mul", "div", "gelu", "softmax", "log_softmax", "layer_norm", "view",
                    "transpose", "permute", "unsqueeze", "expand", "chunk", "cat", "scaled_dot_product_attention",
-                   "embedding", "sum", "mean", "cross_entropy_loss", "dropout"):
+                   "embedding", "sum", "cross_entropy_loss", "dropout"):  # mean is captured as sum / count
         assert family in ops or any(o.startswith(family) for o in ops), family
 
 

@@ -1,0 +1,104 @@
+"""Local implementations for strategies that are not the op itself on local shards.
+
+Both are Megatron-LM's vocabulary-parallel pieces, built from autograd-aware
+collectives so their backward needs no hand-written rule:
+
+- `VocabParallelEmbedding`: look up the rows this device holds, zero the rest;
+  the result is a partial sum (``P``) the planner reduces like any other.
+- `VocabParallelCrossEntropy`: the loss of logits split over classes, from
+  three all-reduces of one number per row (max, sum of exponentials, target
+  logit), without gathering the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autotp.lower.collectives import _AllReduceFn
+from autotp.placement import Shard, shard_index
+
+_MEAN, _SUM, _NONE = 1, 2, 0
+
+
+def vocab_start(layout, dim: int, coords, mesh_shape, local_size: int) -> int:
+    """First index along ``dim`` that this device holds under ``layout``."""
+    return shard_index(layout, dim, coords, mesh_shape) * local_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``embedding(weight[start:start+rows], idx)`` with rows outside this device's range zeroed."""
+
+    def __init__(self, start: int, rows: int):
+        super().__init__()
+        self.start, self.rows = start, rows
+
+    def forward(self, weight, idx):
+        local = idx - self.start
+        inside = (local >= 0) & (local < self.rows)
+        out = torch.ops.aten.embedding.default(weight, local.clamp(0, self.rows - 1))
+        return out * inside.unsqueeze(-1).to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return f"rows {self.start}..{self.start + self.rows - 1}"
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """Cross-entropy of ``[N, C]`` logits split over C across ``comms`` (one per splitting mesh axis)."""
+
+    def __init__(self, start: int, cols: int, comms, reduction: int, ignore_index: int):
+        super().__init__()
+        self.start, self.cols, self.comms = start, cols, comms
+        self.reduction, self.ignore_index = reduction, ignore_index
+
+    def forward(self, logits, target):
+        row_max = logits.detach().max(dim=1).values  # shift-invariant: no gradient flows through the max
+        for comm in self.comms:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=comm.group)
+        shifted = logits - row_max.unsqueeze(1)
+        sum_exp = shifted.exp().sum(dim=1)
+        local = target - self.start
+        inside = (local >= 0) & (local < self.cols)
+        picked = shifted.gather(1, local.clamp(0, self.cols - 1).unsqueeze(1)).squeeze(1) * inside.to(logits.dtype)
+        for comm in self.comms:  # partial sums over the class split -> whole
+            sum_exp = _AllReduceFn.apply(sum_exp, comm)
+            picked = _AllReduceFn.apply(picked, comm)
+        valid = (target != self.ignore_index).to(logits.dtype)
+        loss = (sum_exp.log() - picked) * valid
+        if self.reduction == _NONE:
+            return loss
+        if self.reduction == _SUM:
+            return loss.sum()
+        return loss.sum() / valid.sum()
+
+    def extra_repr(self) -> str:
+        return f"classes {self.start}..{self.start + self.cols - 1}, over {[c.name for c in self.comms]}"
+
+
+def build_impl(impl: str, target, op_args: tuple, op_kwargs: dict, in_layouts, in_shapes, coords, mesh_shape,
+               comms) -> nn.Module:
+    """The module implementing strategy ``impl`` of op ``target`` for one node on this device."""
+    if impl == "vocab_parallel" and target == torch.ops.aten.cross_entropy_loss.default:
+        return _cross_entropy(op_args, op_kwargs, in_layouts, in_shapes, coords, mesh_shape, comms)
+    if impl == "vocab_parallel" and target == torch.ops.aten.embedding.default:
+        rows = in_shapes[0][0] // _factor(in_layouts[0], 0, mesh_shape)
+        return VocabParallelEmbedding(vocab_start(in_layouts[0], 0, coords, mesh_shape, rows), rows)
+    raise ValueError(f"no implementation {impl!r} for {target}")
+
+
+def _factor(layout, dim, mesh_shape) -> int:
+    n = 1
+    for p, size in zip(layout, mesh_shape):
+        if isinstance(p, Shard) and p.dim == dim:
+            n *= size
+    return n
+
+
+def _cross_entropy(op_args, op_kwargs, in_layouts, in_shapes, coords, mesh_shape, comms) -> nn.Module:
+    cols = in_shapes[0][1] // _factor(in_layouts[0], 1, mesh_shape)
+    axes = [a for a, p in enumerate(in_layouts[0]) if isinstance(p, Shard) and p.dim == 1]
+    reduction = op_args[3] if len(op_args) > 3 else op_kwargs.get("reduction", _MEAN)
+    ignore_index = op_args[4] if len(op_args) > 4 else op_kwargs.get("ignore_index", -100)
+    return VocabParallelCrossEntropy(vocab_start(in_layouts[0], 1, coords, mesh_shape, cols), cols,
+                                     [comms[a] for a in axes], reduction, ignore_index)
