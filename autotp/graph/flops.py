@@ -56,6 +56,9 @@ def op_flops(target, ins, out) -> int:
     out_numel = sum(_numel(o.shape) for o in out)
     if target in (aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default):
         return 2 * out_numel * _contracted(ins if target != aten.addmm.default else ins[1:], out)
+    if target == aten.conv2d.default:
+        w = ins[1].shape  # (C_out, C_in / groups, kh, kw)
+        return 2 * out_numel * w[1] * w[2] * w[3]
     if target == aten.scaled_dot_product_attention.default:
         q, k = ins[0].shape, ins[1].shape
         return 4 * _numel(q[:-1]) * k[-2] * q[-1]

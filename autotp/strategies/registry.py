@@ -11,7 +11,7 @@ import operator
 
 import torch
 
-from autotp.strategies import attention, embedding, loss, matmul, norms, pointwise, reductions, views
+from autotp.strategies import attention, conv, embedding, loss, matmul, norms, pointwise, reductions, views
 from autotp.strategies.base import RuleEntry
 
 aten = torch.ops.aten
@@ -49,6 +49,8 @@ def default_registry() -> dict:
     add(["_softmax", "softmax", "_log_softmax", "log_softmax"], norms.softmax_rule, follower=True)
     add(["layer_norm"], norms.layer_norm_rule, follower=True)
     add(["view", "reshape", "_unsafe_view"], views.view_rule, follower=True)
+    add(["flatten"], views.flatten_rule, follower=True)
+    add(["select"], views.select_rule, follower=True)
     add(["transpose"], views.transpose_rule, follower=True)
     add(["permute"], views.permute_rule, follower=True)
     add(["t"], views.t_rule, follower=True)
@@ -63,4 +65,5 @@ def default_registry() -> dict:
     add(["sum"], reductions.sum_rule)
     add(["mean"], reductions.mean_rule)
     add(["cross_entropy_loss"], loss.cross_entropy_rule)
+    add(["conv2d"], conv.conv_rule)
     return reg

@@ -125,3 +125,16 @@ def getitem_rule(op):
     nd = len(op.out[0].shape)
     return [AxisOption(Shard(d), (Shard(d),)) for d in range(nd)] + _passthrough_partial(op)
 
+
+
+def flatten_rule(op):
+    """``flatten(x, start, end)`` is a view that merges dims start..end."""
+    return view_rule(op)
+
+
+def select_rule(op):
+    """``select(x, dim, i)`` drops ``dim``: every other dim keeps its split."""
+    nd = len(op.in_metas[0].shape)
+    dim = _norm(op.args[1], nd)
+    mapping = {d: d - (d > dim) for d in range(nd) if d != dim}
+    return _mapped(op, mapping)

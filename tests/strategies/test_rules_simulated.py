@@ -109,7 +109,7 @@ def test_every_family_is_exercised():
     ops = {c[2].op_name.split(".")[0] for c in CASES}
     for family in ("linear", "matmul", "bmm", "mm", "add", "mul", "div", "gelu", "softmax", "log_softmax", "layer_norm", "view",
                    "transpose", "permute", "unsqueeze", "expand", "chunk", "cat", "scaled_dot_product_attention",
-                   "embedding", "sum", "cross_entropy_loss", "dropout"):  # mean is captured as sum / count
+                   "embedding", "sum", "cross_entropy_loss", "dropout", "conv2d", "flatten", "select"):  # mean is captured as sum / count
         assert family in ops or any(o.startswith(family) for o in ops), family
 
 
