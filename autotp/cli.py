@@ -65,6 +65,66 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _calibrate_on_rank(rank, world, mesh, name, out, sizes):
+    from autotp.calibrate import calibrate
+
+    return calibrate(mesh, name=name, out_dir=out, sizes=sizes, progress=True)["name"]
+
+
+def cmd_calibrate(args) -> int:
+    """Under torchrun: measure this process group. Otherwise: spawn ``--nproc`` local gloo processes."""
+    import os
+
+    from autotp.calibrate import DEFAULT_SIZES
+    from autotp.mesh import Mesh
+    from autotp.runtime import spawn
+
+    sizes = tuple(s for s in DEFAULT_SIZES if s <= parse_bytes(args.max_size))
+    out = args.out
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
+        dist.init_process_group(args.backend or ("nccl" if _has_cuda() else "gloo"))
+        if dist.get_backend() == "nccl":
+            import torch
+
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        mesh = Mesh(args.mesh or str(dist.get_world_size()), links=args.links or _default_link())
+        name = _calibrate_on_rank(dist.get_rank(), dist.get_world_size(), mesh, args.name, out, sizes)
+        dist.destroy_process_group()
+    else:
+        mesh = Mesh(args.mesh or str(args.nproc), links=args.links or "loopback")
+        if mesh.size != args.nproc:
+            from autotp.errors import MeshError
+
+            raise MeshError(f"--mesh {args.mesh} has {mesh.size} devices but --nproc is {args.nproc}")
+        name = spawn(_calibrate_on_rank, args.nproc, mesh, args.name, out, sizes)[0]
+    print(f"profile {name!r} written to {out or 'cost_models/'}; use it with --profile {name}")
+    return 0
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _default_link() -> str:
+    return "nvlink" if _has_cuda() else "loopback"
+
+
+def parse_bytes(text: str) -> int:
+    """``"64MiB"`` -> 67108864; also KiB, GiB, KB, MB, GB and plain numbers."""
+    units = {"kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "b": 1}
+    t = text.strip().lower()
+    for unit, scale in units.items():
+        if t.endswith(unit) and t[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(t[: -len(unit)]) * scale)
+    if t.isdigit():
+        return int(t)
+    raise UsageError(f"size {text!r} is not of the form 64MiB, 1GiB or a number of bytes")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autotp", description="Automatic tensor parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inference", action="store_true", help="plan the forward pass only")
     p.add_argument("--json", default=None, help="also write the plan to this JSON file")
     p.set_defaults(fn=cmd_plan)
+    c = sub.add_parser("calibrate", help="measure this machine and write a profile to cost_models/")
+    c.add_argument("--nproc", type=int, default=4, help="local processes to spawn when not under torchrun")
+    c.add_argument("--mesh", default=None, help="mesh shape (default: one axis over all processes)")
+    c.add_argument("--links", default=None, help="link class per axis (default loopback on CPU, nvlink on GPU)")
+    c.add_argument("--backend", default=None, help="gloo or nccl under torchrun (default: nccl when CUDA is there)")
+    c.add_argument("--name", default=None, help="profile name (default: derived from host and process count)")
+    c.add_argument("--out", default=None, help="folder for the profile (default: cost_models/)")
+    c.add_argument("--max-size", default="64MiB", help="largest collective message (default 64MiB)")
+    c.set_defaults(fn=cmd_calibrate)
     return parser
 
 

@@ -72,3 +72,11 @@ def test_missing_dtype_or_link_says_what_to_add():
         profile.peak_flops("torch.bfloat16")
     with pytest.raises(ProfileError, match="no curves for link class 'pcie'"):
         profile.link("pcie")
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in __import__("autotp").cost.profile.PROFILE_DIR.glob("*.json")))
+def test_every_shipped_profile_loads_and_says_where_its_figures_come_from(name):
+    profile = load_profile(name)
+    assert profile.links, name
+    assert all(link.source for link in profile.links.values()), name
+    assert all(profile.device["sources"].get(k) for k in ("peak_flops", "memory_bandwidth_Bps")), name

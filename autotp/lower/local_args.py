@@ -13,6 +13,19 @@ aten = torch.ops.aten
 SHAPE_ARG_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default})
 
 
+_AS_RESHAPE = {aten.view.default, aten._unsafe_view.default}
+
+
+def local_target(target):
+    """``view`` becomes ``reshape`` in the lowered program.
+
+    A view was valid for the strides seen at capture; a kernel may lay out its
+    local output differently (CPU attention does), and ``reshape`` is the same
+    function whenever the view was valid, copying only when it must.
+    """
+    return aten.reshape.default if target in _AS_RESHAPE else target
+
+
 def localize_args(target, args: tuple, local_out_shape) -> tuple:
     """``args`` with the size list replaced by the local output shape, for ops that take one."""
     if target in SHAPE_ARG_OPS:

@@ -24,7 +24,7 @@ from autotp.errors import PlanError
 from autotp.graph.opgraph import TensorMeta, build_opgraph, meta_of, tensor_input_nodes
 from autotp.lower.collectives import AxisComm, Collective
 from autotp.lower.impls import build_impl
-from autotp.lower.local_args import localize_args
+from autotp.lower.local_args import local_target, localize_args
 from autotp.placement import R, Replicate, Shard, local_shape, parse_layout, shard_index
 from autotp.redistribute import plan_steps
 from autotp.strategies.base import Strategy
@@ -131,6 +131,7 @@ def _rewrite_inputs(low: _Lowerer, node: fx.Node, entry) -> None:
     meta = meta_of(node.meta["val"])
     if isinstance(meta, TensorMeta):
         node.args = localize_args(node.target, node.args, local_shape(meta.shape, entry.out_layout(), low.mesh.shape))
+    node.target = local_target(node.target)
 
 
 def check_plan_fits(gm: fx.GraphModule, plan) -> None:

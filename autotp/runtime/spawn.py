@@ -6,6 +6,7 @@ import os
 import socket
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -18,6 +19,8 @@ def free_port() -> int:
 
 def _worker(rank, world, port, fn, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # N processes share this machine's cores: more threads than cores makes every timing noise
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         queue.put((rank, "ok", fn(rank, world, *args)))
