@@ -35,81 +35,53 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group, n: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-class _AllReduceFn(torch.autograd.Function):
-    """P -> R. Backward: nothing, the gradient of a partial sum is the replicated gradient."""
+def _identity(x: torch.Tensor, comm, dim) -> torch.Tensor:
+    return x.view_as(x)
+
+
+def _all_reduce_on(x, comm, dim):
+    return _all_reduce(x, comm.group)
+
+
+def _gather_on(x, comm, dim):
+    return _gather(x, dim, comm.group, comm.size)
+
+
+def _chunk_on(x, comm, dim):
+    return _chunk(x, dim, comm.size, comm.index)
+
+
+def _reduce_scatter_on(x, comm, dim):
+    return _reduce_scatter(x, dim, comm.group, comm.size)
+
+
+DUALS = {
+    # kind: (forward, backward) -- DESIGN.md's table of autograd duals
+    "all_reduce": (_all_reduce_on, _identity),  # P -> R; the gradient of a partial sum is replicated
+    "grad_all_reduce": (_identity, _all_reduce_on),  # Megatron's f: R consumed by split work
+    "all_gather": (_gather_on, _chunk_on),  # S(d) -> R; the gradient arriving is R: take this slice
+    "all_gather_rs": (_gather_on, _reduce_scatter_on),  # S(d) -> R; the gradient arriving is partial
+    "reduce_scatter": (_reduce_scatter_on, _gather_on),  # P -> S(d)
+    "slice": (_chunk_on, _gather_on),  # R -> S(d)
+}
+
+
+class _CollectiveFn(torch.autograd.Function):
+    """One collective on one mesh axis, with its dual run on the gradient in backward."""
 
     @staticmethod
-    def forward(ctx, x, comm):
-        return _all_reduce(x, comm.group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _AllGatherFn(torch.autograd.Function):
-    """S(d) -> R. Backward: this device's slice of the (replicated) gradient."""
-
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return _gather(x, dim, comm.group, comm.size)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _chunk(grad, ctx.dim, ctx.comm.size, ctx.comm.index), None, None
-
-
-class _AllGatherRSFn(torch.autograd.Function):
-    """S(d) -> R when the gradient coming back is partial. Backward: reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return _gather(x, dim, comm.group, comm.size)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.comm.group, ctx.comm.size), None, None
-
-
-class _ReduceScatterFn(torch.autograd.Function):
-    """P -> S(d). Backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return _reduce_scatter(x, dim, comm.group, comm.size)
+    def forward(ctx, x, kind, comm, dim):
+        ctx.kind, ctx.comm, ctx.dim = kind, comm, dim
+        return DUALS[kind][0](x, comm, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.comm.group, ctx.comm.size), None, None
+        return DUALS[ctx.kind][1](grad, ctx.comm, ctx.dim), None, None, None
 
 
-class _ShardFn(torch.autograd.Function):
-    """R -> S(d): a local slice. Backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return _chunk(x, dim, comm.size, comm.index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.comm.group, ctx.comm.size), None, None
-
-
-class _GradAllReduceFn(torch.autograd.Function):
-    """Megatron's f: identity forward; backward all-reduces the partial gradient."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.comm.group), None
+def all_reduce_partial(x: torch.Tensor, comm) -> torch.Tensor:
+    """P -> R with autograd: the sum over the axis; its gradient passes through unchanged."""
+    return _CollectiveFn.apply(x, "all_reduce", comm, None)
 
 
 class AxisComm:
@@ -134,13 +106,7 @@ class Collective(nn.Module):
         self.kind, self.comm, self.dim = kind, comm, dim
 
     def forward(self, x):
-        if self.kind == "all_reduce":
-            return _AllReduceFn.apply(x, self.comm)
-        if self.kind == "grad_all_reduce":
-            return _GradAllReduceFn.apply(x, self.comm)
-        fn = {"all_gather": _AllGatherFn, "all_gather_rs": _AllGatherRSFn, "reduce_scatter": _ReduceScatterFn,
-              "slice": _ShardFn}[self.kind]
-        return fn.apply(x, self.comm, self.dim)
+        return _CollectiveFn.apply(x, self.kind, self.comm, self.dim)
 
     def extra_repr(self) -> str:
         dim = f", dim={self.dim}" if self.dim is not None else ""

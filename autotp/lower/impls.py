@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotp.lower.collectives import _AllReduceFn
+from autotp.lower.collectives import all_reduce_partial
 from autotp.placement import Shard, shard_index
 
 _MEAN, _SUM, _NONE = 1, 2, 0
@@ -62,8 +62,8 @@ class VocabParallelCrossEntropy(nn.Module):
         inside = (local >= 0) & (local < self.cols)
         picked = shifted.gather(1, local.clamp(0, self.cols - 1).unsqueeze(1)).squeeze(1) * inside.to(logits.dtype)
         for comm in self.comms:  # partial sums over the class split -> whole
-            sum_exp = _AllReduceFn.apply(sum_exp, comm)
-            picked = _AllReduceFn.apply(picked, comm)
+            sum_exp = all_reduce_partial(sum_exp, comm)
+            picked = all_reduce_partial(picked, comm)
         valid = (target != self.ignore_index).to(logits.dtype)
         loss = (sum_exp.log() - picked) * valid
         if self.reduction == _NONE:
