@@ -99,7 +99,12 @@ def cmd_calibrate(args) -> int:
 
             raise MeshError(f"--mesh {args.mesh} has {mesh.size} devices but --nproc is {args.nproc}")
         name = spawn(_calibrate_on_rank, args.nproc, mesh, args.name, out, sizes)[0]
-    print(f"profile {name!r} written to {out or 'cost_models/'}; use it with --profile {name}")
+    from pathlib import Path
+
+    from autotp.cost.profile import PROFILE_DIR
+
+    path = Path(out or PROFILE_DIR) / f"{name}.json"
+    print(f"profile {name!r} written to {path}; use it with --profile {name if not out else path}")
     return 0
 
 

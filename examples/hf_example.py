@@ -27,7 +27,7 @@ MESH = autotp.Mesh("4")
 
 
 def _run(rank, world, name, plan):
-    model, args, kwargs = hf_models.build(name, train=True)
+    model, args, kwargs = hf_models.build_small(name)
     return max_errors(model, plan, args, rank, kwargs=kwargs)
 
 
@@ -37,7 +37,7 @@ def main(name: str) -> None:
     plan = autotp.plan(large, MESH, args, kwargs)
     print(plan.summary())
     print(f"\nplanned {type(large).__name__} ({plan.ilp['ops']} ops) in {plan.stats['plan_s']:.1f} s\n")
-    small, s_args, s_kwargs = hf_models.build(name, train=True)
+    small, s_args, s_kwargs = hf_models.build_small(name)
     small_plan = autotp.plan(small, MESH, s_args, s_kwargs, allow=same_as(plan))
     errors = spawn(_run, MESH.size, name, small_plan)
     out = max(e["output"] for e in errors)

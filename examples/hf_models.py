@@ -72,6 +72,16 @@ LARGE = {  # shapes worth splitting across 4 GPUs; built on the meta device, nev
 }
 
 
+SMALL = {  # replays of a LARGE plan need the same graph: Llama keeps grouped-query attention, K/V heads divisible by 4
+    "llama": dict(heads=8, kv_heads=4),
+}
+
+
+def build_small(name: str, train: bool = True):
+    """The small model a LARGE plan is replayed on, with its example inputs."""
+    return build(name, train, **SMALL.get(name, {}))
+
+
 def build_large(name: str):
     """The family at a size worth splitting, on the meta device, with meta example inputs."""
     with torch.device("meta"):

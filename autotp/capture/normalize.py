@@ -5,6 +5,11 @@ becomes ``add(mm(x, w), b)``: a bias cannot be added to a partial sum on every
 device, so splitting it off lets the planner all-reduce the row-parallel
 product first and add the bias once, as Megatron-LM does.
 
+``contiguous(x)`` is dropped: export records it only when the traced strides
+need it, which depends on the sizes (CPU attention returns a transposed
+layout at some sizes), so keeping it would make the same model's graph differ
+between sizes; the lowering turns every ``view`` into ``reshape`` instead.
+
 ``mean(x, dims)`` becomes ``sum(x, dims) / count``: a sum over a split dim is a
 partial sum, so an RMSNorm over a hidden dim split across devices all-reduces
 one number per row instead of gathering the whole activation.
@@ -23,6 +28,7 @@ def normalize(gm: fx.GraphModule) -> None:
     split_linear_bias(gm)
     split_addmm(gm)
     mean_as_sum(gm)
+    drop_contiguous(gm)
     gm.graph.lint()
     gm.recompile()
 
@@ -78,3 +84,11 @@ def mean_as_sum(gm: fx.GraphModule) -> None:
         total.meta, mean.meta = dict(node.meta), dict(node.meta)
         node.replace_all_uses_with(mean)
         graph.erase_node(node)
+
+
+def drop_contiguous(gm: fx.GraphModule) -> None:
+    """Remove ``aten.contiguous`` (the identity on values); views are lowered as reshapes."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target == aten.contiguous.default:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
