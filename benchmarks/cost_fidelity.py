@@ -74,17 +74,44 @@ def _pins(model, style: str) -> dict:
     return pins
 
 
+def batch_split(op, strategy) -> bool:
+    """Data parallel for real: parameters whole, every op that can split its batch does."""
+    if not data_parallel_only(op, strategy):
+        return False
+    return op.kind != "op" or not strategy.is_replicated
+
+
+def linear_weights(layout: str):
+    """Every linear must use its weight as stored (``S(1)`` row, ``S(0)`` column): no weight gathers."""
+
+    def allow(op, strategy) -> bool:
+        if op.op_name != "linear.default":
+            return True
+        return strategy.ins[1] == (autotp.Shard(int(layout[2])),)
+
+    return allow
+
+
 def plans(profile) -> dict:
     model, inputs = make_gpt()
     mesh = autotp.Mesh(WORLD, links="loopback")
+    plan = lambda **kw: autotp.plan(model, mesh, inputs, profile=profile, **kw)  # noqa: E731
     return {
-        "autotp": autotp.plan(model, mesh, inputs, profile=profile),
-        "megatron": autotp.plan(model, mesh, inputs, profile=profile, pin=_pins(model, "megatron")),
-        "data-parallel": autotp.plan(model, mesh, inputs, profile=profile, allow=data_parallel_only),
-        "replicated": autotp.plan(model, mesh, inputs, profile=profile, allow=replicated_only),
-        "row-only": autotp.plan(model, mesh, inputs, profile=profile, pin=_pins(model, "row")),
-        "column-only": autotp.plan(model, mesh, inputs, profile=profile, pin=_pins(model, "column")),
+        "autotp": plan(),
+        "megatron": plan(pin=_pins(model, "megatron"), allow=_megatron_linears),
+        "data-parallel": plan(allow=batch_split),
+        "replicated": plan(allow=replicated_only),
+        "row-only": plan(pin=_pins(model, "row"), allow=linear_weights("S(1)")),
+        "column-only": plan(pin=_pins(model, "column"), allow=linear_weights("S(0)")),
     }
+
+
+def _megatron_linears(op, strategy) -> bool:
+    """Column-parallel q/k/v/up/head and row-parallel proj/down, each using its weight as stored."""
+    if op.op_name != "linear.default":
+        return True
+    weight = strategy.ins[1][0]
+    return isinstance(weight, autotp.Shard)
 
 
 def _measure_steps(rank, world, named_plans):
@@ -105,11 +132,19 @@ def _measure_steps(rank, world, named_plans):
 
 
 def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation; tied values share their average rank."""
+
     def ranks(xs):
         order = sorted(range(len(xs)), key=lambda i: xs[i])
         r = [0.0] * len(xs)
-        for rank, i in enumerate(order):
-            r[i] = float(rank)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
         return r
 
     ra, rb = ranks(a), ranks(b)
