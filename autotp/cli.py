@@ -91,7 +91,10 @@ def cmd_calibrate(args) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         mesh = Mesh(args.mesh or str(dist.get_world_size()), links=args.links or _default_link())
         name = _calibrate_on_rank(dist.get_rank(), dist.get_world_size(), mesh, args.name, out, sizes)
+        rank = dist.get_rank()
         dist.destroy_process_group()
+        if rank != 0:
+            return 0
     else:
         mesh = Mesh(args.mesh or str(args.nproc), links=args.links or "loopback")
         if mesh.size != args.nproc:

@@ -54,6 +54,15 @@ def test_calibrate_cli_writes_a_loadable_profile(tmp_path):
     assert "[" in out.stderr and "] " in out.stderr  # the progress bar
 
 
+def test_calibrate_under_torchrun(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "autotp.cli", "calibrate", "--name", "trun", "--out", str(tmp_path),
+                          "--max-size", "16KiB"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("written to") == 1  # rank 0 reports
+    assert load_profile(str(tmp_path / "trun.json")).links["loopback"].latency_s > 0
+
+
 def test_shipped_cpu_profile_is_from_calibration():
     profile = load_profile("cpu-2core-4proc")
     assert "autotp calibrate" in profile.description
