@@ -13,9 +13,12 @@ from autotp.graph import build_opgraph
 from autotp.lower import lower
 from autotp.mesh import Mesh
 from autotp.runtime.groups import mesh_groups
-from autotp.solve.assemble import assemble_plan
+from autotp.cost.memory import TERMS, memory_by_term
+from autotp.errors import MemoryLimitError
+from autotp.solve.assemble import assemble_plan, chosen_strategies
 from autotp.solve.constraints import apply_constraints
-from autotp.solve.ilp import solve
+from autotp.solve.ilp import MemoryInfeasible, solve
+from autotp.units import format_bytes, parse_bytes
 from autotp.solve.plan import Plan
 from autotp.solve.problem import build_problem
 from autotp.strategies import default_registry, enumerate_strategies
@@ -36,13 +39,16 @@ def _as_tuple(example_inputs) -> tuple:
 
 def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool = True,
          profile=DEFAULT_PROFILE, pin: dict | None = None, allow=None, registry=None,
-         time_limit_s: float | None = None) -> Plan:
+         time_limit_s: float | None = None, memory_limit=None) -> Plan:
     """Choose a placement for every parameter and op of ``model`` on ``mesh``.
 
     ``pin`` fixes parameter placements (``{"fc1.weight": ("S(0)",)}``) and lets
     the ILP choose the rest; ``allow(op, strategy)`` keeps only some strategies
     (see ``autotp.solve.constraints``). Nothing is allocated: ``model`` and the
-    inputs may live on the ``meta`` device.
+    inputs may live on the ``meta`` device. ``memory_limit`` (``"80GB"`` or
+    bytes) bounds the predicted memory per device (parameters, gradients, Adam
+    state and saved activations); when nothing fits, `MemoryLimitError` says
+    the least any plan needs and which term dominates it.
     """
     started = time.perf_counter()
     mesh, profile = as_mesh(mesh), load_profile(profile)
@@ -53,11 +59,34 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     apply_constraints(graph, strategies, pin, allow)
     prune_unreachable(graph, strategies)
     problem = build_problem(graph, strategies, mesh, profile, training)
-    solution = solve(problem, time_limit_s)
+    limit = parse_bytes(memory_limit) if memory_limit is not None else None
+    try:
+        solution = solve(problem, time_limit_s, limit)
+    except MemoryInfeasible as exc:
+        raise memory_limit_error(graph, problem, exc.smallest, mesh, training, limit) from None
     result = assemble_plan(graph, problem, solution, mesh, profile, training,
                            example_specs(example_inputs, example_kwargs))
     result.stats = {"plan_s": time.perf_counter() - started, "solve_s": solution.solve_s}
     return result
+
+
+_HINTS = {
+    "parameters": "split the model over more devices (a larger tensor-parallel axis)",
+    "gradients": "split the model over more devices (a larger tensor-parallel axis)",
+    "optimizer": "split the model over more devices; optimizer-state sharding is not supported yet",
+    "activations": "use a smaller batch or sequence per step",
+    "buffers": "split the model over more devices",
+}
+
+
+def memory_limit_error(graph, problem, smallest, mesh, training, limit) -> MemoryLimitError:
+    """The error for a limit no plan meets: the least memory any plan needs, and its largest term."""
+    terms = memory_by_term(graph, chosen_strategies(problem, smallest), mesh, training)
+    dominant = max(TERMS, key=lambda t: terms[t])
+    return MemoryLimitError(
+        f"no plan fits {format_bytes(limit)} per device on {mesh}: the smallest any plan reaches is "
+        f"{format_bytes(terms['total'])}, of which {dominant} {format_bytes(terms[dominant])}; "
+        f"raise memory_limit or {_HINTS[dominant]}")
 
 
 def _placeholder_grads(gm, args: tuple, kwargs: dict) -> dict[str, bool]:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from autotp.errors import AutotpError
+from autotp.units import parse_bytes
 
 EXIT_USAGE = 2
 
@@ -56,7 +57,8 @@ def cmd_plan(args) -> int:
 
     mesh = Mesh(args.mesh, links=args.links)
     model, inputs, kwargs = _call_factory(load_factory(args.model))
-    result = plan(model, mesh, inputs, kwargs, training=not args.inference, profile=args.profile)
+    result = plan(model, mesh, inputs, kwargs, training=not args.inference, profile=args.profile,
+                  memory_limit=args.memory_limit)
     print(result.summary())
     print(f"planned in {result.stats['plan_s']:.2f} s (ILP solve {result.stats['solve_s']:.2f} s)")
     if args.json:
@@ -121,18 +123,6 @@ def _default_link() -> str:
     return "nvlink" if _has_cuda() else "loopback"
 
 
-def parse_bytes(text: str) -> int:
-    """``"64MiB"`` -> 67108864; also KiB, GiB, KB, MB, GB and plain numbers."""
-    units = {"kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "b": 1}
-    t = text.strip().lower()
-    for unit, scale in units.items():
-        if t.endswith(unit) and t[: -len(unit)].strip().replace(".", "", 1).isdigit():
-            return int(float(t[: -len(unit)]) * scale)
-    if t.isdigit():
-        return int(t)
-    raise UsageError(f"size {text!r} is not of the form 64MiB, 1GiB or a number of bytes")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autotp", description="Automatic tensor parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--links", default=None, help="link class per axis, e.g. ethernet,nvlink (default nvlink)")
     p.add_argument("--profile", default="h100-hgx", help="profile name in cost_models/ or a path to a JSON profile")
     p.add_argument("--inference", action="store_true", help="plan the forward pass only")
+    p.add_argument("--memory-limit", default=None, help="per-device memory the plan must fit, e.g. 80GB")
     p.add_argument("--json", default=None, help="also write the plan to this JSON file")
     p.set_defaults(fn=cmd_plan)
     c = sub.add_parser("calibrate", help="measure this machine and write a profile to cost_models/")

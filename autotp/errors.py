@@ -30,5 +30,9 @@ class PlanError(AutotpError, ValueError):
     """A plan does not fit the model, the mesh or the process group it is used with."""
 
 
+class MemoryLimitError(PlanError):
+    """No plan fits the per-device memory limit."""
+
+
 class SolverError(AutotpError, RuntimeError):
     """The ILP solver did not return a feasible plan."""

@@ -45,6 +45,7 @@ def test_plan_prints_summary_and_writes_json(factory_file, tmp_path):
     (["plan", "{factory}:make", "--mesh", "4y"], "is not of the form '4' or '2x4'"),
     (["plan", "{factory}:make", "--mesh", "4", "--profile", "nope"], "unknown profile 'nope'"),
     (["plan", "{factory}:make", "--mesh", "4", "--links", "warp"], "unknown link class 'warp'"),
+    (["plan", "{factory}:make", "--mesh", "4", "--memory-limit", "1MB"], "no plan fits 976.6 KiB per device"),
 ])
 def test_bad_input_is_one_line_and_exit_2(factory_file, args, message):
     out = run(*[a.format(factory=factory_file) for a in args])

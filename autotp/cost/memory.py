@@ -21,21 +21,30 @@ def _local_bytes(meta, layout, mesh_shape) -> int:
     return math.prod(local_shape(meta.shape, layout, mesh_shape)) * meta.dtype.itemsize
 
 
+TERMS = ("parameters", "gradients", "optimizer", "buffers", "activations")
+
+
+def node_memory_bytes(op, strategy, mesh, training: bool) -> dict[str, int]:
+    """Bytes one node keeps on each device under ``strategy``, by term (only the terms it has)."""
+    layout = strategy.out
+    if op.kind == KIND_PARAM:
+        local = _local_bytes(op.out[0], layout, mesh.shape)
+        if not (training and op.requires_grad):
+            return {"parameters": local}
+        numel = math.prod(local_shape(op.out[0].shape, layout, mesh.shape))
+        return {"parameters": local, "gradients": local, "optimizer": ADAM_MOMENTS * FP32_BYTES * numel}
+    if op.kind == KIND_BUFFER:
+        return {"buffers": _local_bytes(op.out[0], layout, mesh.shape)}
+    if op.kind == KIND_OP and training and op.requires_grad and not is_alias(op.target):
+        return {"activations": sum(_local_bytes(m, layout, mesh.shape) for m in op.out)}
+    return {}
+
+
 def memory_by_term(graph, chosen: dict, mesh, training: bool) -> dict[str, int]:
     """Bytes per device for ``chosen`` (node name -> Strategy), split into named terms."""
-    terms = {"parameters": 0, "gradients": 0, "optimizer": 0, "buffers": 0, "activations": 0}
+    terms = dict.fromkeys(TERMS, 0)
     for op in graph.nodes():
-        layout = chosen[op.name].out
-        if op.kind == KIND_PARAM:
-            local = _local_bytes(op.out[0], layout, mesh.shape)
-            terms["parameters"] += local
-            if training and op.requires_grad:
-                terms["gradients"] += local
-                numel = math.prod(local_shape(op.out[0].shape, layout, mesh.shape))
-                terms["optimizer"] += ADAM_MOMENTS * FP32_BYTES * numel
-        elif op.kind == KIND_BUFFER:
-            terms["buffers"] += _local_bytes(op.out[0], layout, mesh.shape)
-        elif op.kind == KIND_OP and training and op.requires_grad and not is_alias(op.target):
-            terms["activations"] += sum(_local_bytes(m, layout, mesh.shape) for m in op.out)
+        for term, nbytes in node_memory_bytes(op, chosen[op.name], mesh, training).items():
+            terms[term] += nbytes
     terms["total"] = sum(terms.values())
     return terms

@@ -5,8 +5,9 @@ and v, continuous ``y[i][j] >= 0`` with ``sum_j y[i][j] = x_u[i]`` and
 ``sum_i y[i][j] = x_v[j]``. With one-hot ``x`` this forces ``y`` to the one
 chosen pair, and the LP relaxation stays tight. Pairs that cannot happen
 (infinite cost) get no variable. Variables are named after fx nodes.
-Coefficients are scaled to microseconds for the solver's tolerances; the
-objective is reported in seconds.
+Coefficients are scaled to microseconds and MiB for the solver's tolerances;
+the objective is reported in seconds. A memory limit is one more linear
+constraint: the sum over groups of each choice's bytes per device.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from autotp.errors import SolverError
 from autotp.solve.problem import Problem
 
 _SCALE = 1e6  # seconds -> microseconds inside the solver
+_BYTES = 2 ** 20  # bytes -> MiB inside the solver
 
 
 @dataclass(frozen=True)
@@ -37,11 +39,18 @@ def _safe(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name)
 
 
-def solve(problem: Problem, time_limit_s: float | None = None) -> Solution:
-    """Pick one strategy per group minimising total predicted step time."""
+class MemoryInfeasible(Exception):
+    """No choice fits the memory limit; ``smallest`` is the solution that uses the least memory."""
+
+    def __init__(self, smallest: "Solution"):
+        super().__init__("no plan fits the memory limit")
+        self.smallest = smallest
+
+
+def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None):
+    """The ILP minimising step time (``"time"``) or per-device memory (``"memory"``)."""
     lp = pulp.LpProblem("autotp", pulp.LpMinimize)
-    x = {}
-    objective = []
+    x, objective, memory = {}, [], []
     for name, group in problem.groups.items():
         allowed = [c for c in range(group.n) if not math.isinf(group.cost_s[c])]
         if not allowed:
@@ -49,19 +58,38 @@ def solve(problem: Problem, time_limit_s: float | None = None) -> Solution:
         x[name] = {c: pulp.LpVariable(f"x_{_safe(name)}_{c}", cat="Binary") for c in allowed}
         lp += pulp.lpSum(x[name].values()) == 1, f"one_{_safe(name)}"
         objective += [group.cost_s[c] * _SCALE * v for c, v in x[name].items()]
+        memory += [group.memory_bytes[c] / _BYTES * v for c, v in x[name].items()]
     for (gu, gv), table in problem.edges.items():
         objective += _edge_terms(lp, x[gu], x[gv], table, f"{_safe(gu)}__{_safe(gv)}")
-    lp += pulp.lpSum(objective)
+    if memory_limit_bytes is not None:
+        lp += pulp.lpSum(memory) <= memory_limit_bytes / _BYTES, "memory_limit"
+    lp += pulp.lpSum(objective if minimise == "time" else memory)
+    return lp, x
+
+
+def _run(lp, x, time_limit_s) -> Solution:
     start = time.perf_counter()
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1)
-    lp.solve(solver)
+    lp.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1))
     elapsed = time.perf_counter() - start
     status = pulp.LpStatus[lp.status]
     if status != "Optimal":
-        raise SolverError(f"the ILP solver returned {status!r}; try a longer time limit or fewer mesh axes")
+        return Solution({}, math.inf, len(lp.variables()), len(lp.constraints), elapsed, status)
     choice = {name: next(c for c, v in xs.items() if v.value() > 0.5) for name, xs in x.items()}
-    return Solution(choice, pulp.value(lp.objective) / _SCALE, len(lp.variables()), len(lp.constraints),
-                    elapsed, status)
+    return Solution(choice, pulp.value(lp.objective), len(lp.variables()), len(lp.constraints), elapsed, status)
+
+
+def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_bytes: float | None = None) -> Solution:
+    """Pick one strategy per group minimising total predicted step time, within the memory limit.
+
+    Raises `MemoryInfeasible` carrying the least-memory plan when nothing fits.
+    """
+    solution = _run(*_model(problem, "time", memory_limit_bytes), time_limit_s)
+    if solution.status == "Infeasible" and memory_limit_bytes is not None:
+        raise MemoryInfeasible(_run(*_model(problem, "memory", None), time_limit_s))
+    if solution.status != "Optimal":
+        raise SolverError(f"the ILP solver returned {solution.status!r}; try a longer time limit or fewer mesh axes")
+    return Solution(solution.choice, solution.objective_s / _SCALE, solution.variables, solution.constraints,
+                    solution.solve_s, solution.status)
 
 
 def _edge_terms(lp, xu: dict, xv: dict, table, tag: str) -> list:

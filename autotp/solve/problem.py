@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from autotp.cost.comm import inner_time_s
 from autotp.cost.compute import compute_time_s
+from autotp.cost.memory import node_memory_bytes
 from autotp.cost.reshard import edge_time_s
 from autotp.graph.opgraph import OpGraph
 from autotp.placement import Partial, R
@@ -26,6 +27,7 @@ class Group:
     leader: str
     choices: dict[str, list[int]] = field(default_factory=dict)  # member -> strategy index per leader choice
     cost_s: list[float] = field(default_factory=list)
+    memory_bytes: list[int] = field(default_factory=list)  # per device, summed over members
 
     @property
     def n(self) -> int:
@@ -86,13 +88,14 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
     groups, group_of = build_groups(graph, strategies)
     problem = Problem(groups, group_of, {}, strategies)
     for group in groups.values():
-        group.cost_s = [0.0] * group.n
+        group.cost_s, group.memory_bytes = [0.0] * group.n, [0] * group.n
     for op in graph.nodes():
         group = groups[group_of[op.name]]
         for c in range(group.n):
             strategy = problem.strategy(op.name, c)
             group.cost_s[c] += compute_time_s(op, strategy, mesh, profile, training)
             group.cost_s[c] += inner_time_s(op, strategy, mesh, profile)
+            group.memory_bytes[c] += sum(node_memory_bytes(op, strategy, mesh, training).values())
     for op in graph.nodes():
         for i, producer in enumerate(op.inputs):
             _add_edge(problem, graph, producer, op, i, mesh, profile, training)

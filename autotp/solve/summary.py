@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+from autotp.units import format_bytes
 
 
 def _fmt_s(s: float) -> str:
@@ -31,12 +25,12 @@ def format_summary(plan) -> str:
     for (phase, kind, axis), n in sorted(counts.items()):
         total = sum(c["time_s"] for c in plan.collectives if (c["phase"], c["kind"], c["axis"]) == (phase, kind, axis))
         nbytes = sum(c["bytes"] for c in plan.collectives if (c["phase"], c["kind"], c["axis"]) == (phase, kind, axis))
-        lines.append(f"  {phase:<8} {kind:<14} on {axis:<4} x{n:<3} {_fmt_bytes(nbytes):>10}  {_fmt_s(total)}")
+        lines.append(f"  {phase:<8} {kind:<14} on {axis:<4} x{n:<3} {format_bytes(nbytes):>10}  {_fmt_s(total)}")
     p = plan.predicted
     lines += ["", f"predicted step time: {_fmt_s(p['total_s'])} "
                   f"(compute {_fmt_s(p['compute_s'])}, communication {_fmt_s(p['comm_s'])})"]
     mem = plan.memory
-    lines.append("memory per device: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in mem.items() if v or k == "total"))
+    lines.append("memory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items() if v or k == "total"))
     lines.append(f"ILP: {plan.ilp['ops']} ops in {plan.ilp['groups']} groups, "
                  f"{plan.ilp['variables']} variables, {plan.ilp['constraints']} constraints")
     if plan.fallback_ops:

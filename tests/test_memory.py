@@ -1,0 +1,52 @@
+"""Memory per device as a constraint: a limit changes the plan, and an impossible one says why."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import autotp
+from autotp.errors import MemoryLimitError
+from autotp.units import parse_bytes
+from models import MLP
+
+
+def _mlp():
+    with torch.device("meta"):
+        model = MLP(4096, 16384)
+    return model, (torch.empty(1, 8, 4096, device="meta"),)  # 8 tokens: weights dominate memory
+
+
+def test_limit_forces_a_smaller_plan():
+    """Over slow Ethernet a small MLP is fastest replicated; a memory limit makes it split its weights."""
+    with torch.device("meta"):
+        model = MLP(1024, 4096)
+    inputs, mesh = (torch.empty(1, 8, 1024, device="meta"),), autotp.Mesh("2", links="ethernet")
+    free = autotp.plan(model, mesh, inputs, profile="ethernet-2node")
+    assert all(p == ("R",) for p in free.parameters.values())
+    limit = free.memory["total"] * 0.6
+    bounded = autotp.plan(model, mesh, inputs, profile="ethernet-2node", memory_limit=limit)
+    assert bounded.memory["total"] <= limit < free.memory["total"]
+    assert bounded.predicted["objective_s"] > free.predicted["objective_s"]
+    assert bounded.parameters["fc1.weight"] != ("R",)
+    assert set(bounded.memory) >= {"parameters", "gradients", "optimizer", "activations", "total"}
+
+
+def test_impossible_limit_names_the_least_memory_and_its_largest_term():
+    model, inputs = _mlp()
+    with pytest.raises(MemoryLimitError) as info:
+        autotp.plan(model, autotp.Mesh("4"), inputs, memory_limit="100MB")
+    message = str(info.value)
+    assert "no plan fits 95.4 MiB per device" in message
+    smallest = re.search(r"the smallest any plan reaches is ([\d.]+) MiB, of which (\w+)", message)
+    assert smallest and smallest.group(2) == "optimizer"  # Adam's two fp32 moments dominate a sharded MLP
+    # 2 x 4096 x 16384 fp32 weights split 4 ways, with gradients and Adam: 4 x 128 MiB at the very least
+    assert float(smallest.group(1)) >= 4 * 128
+
+
+def test_sizes():
+    assert parse_bytes("80GB") == 80 * 10 ** 9 and parse_bytes("64MiB") == 64 * 2 ** 20 and parse_bytes(7) == 7
+    with pytest.raises(ValueError, match="80GB"):
+        parse_bytes("lots")
