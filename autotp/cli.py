@@ -67,6 +67,45 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _seeded_factory(spec: str):
+    """The factory's model and inputs, seeded so every process builds the same weights."""
+    import torch
+
+    torch.manual_seed(0)
+    return _call_factory(load_factory(spec))
+
+
+def _verify_on_rank(rank, world, spec, plan):
+    from autotp.runtime.verify import max_errors
+
+    model, inputs, kwargs = _seeded_factory(spec)
+    return max_errors(model, plan, tuple(inputs), rank, kwargs=kwargs)
+
+
+def cmd_verify(args) -> int:
+    """Run the plan on N gloo processes against the single-device model; exit 1 on a mismatch."""
+    from autotp.api import plan as make_plan
+    from autotp.mesh import Mesh
+    from autotp.runtime import spawn
+    from autotp.solve.plan import Plan
+
+    model, inputs, kwargs = _seeded_factory(args.model)
+    if any(p.is_meta for p in model.parameters()):
+        raise UsageError("verify needs real weights, but the factory built the model on the meta device: "
+                         "return a small model with real (random) weights")
+    if args.plan:
+        plan = Plan.load(args.plan)
+    else:
+        plan = make_plan(model, Mesh(args.mesh, links=args.links), inputs, kwargs, profile=args.profile)
+    print(f"verifying on {plan.mesh.size} gloo processes ({plan.mesh}) ...", flush=True)
+    errors = spawn(_verify_on_rank, plan.mesh.size, args.model, plan)
+    out, grad = max(e["output"] for e in errors), max(e["gradient"] for e in errors)
+    ok = out <= args.tolerance and grad <= args.tolerance
+    print(f"max output error {out:.2e}, max gradient error {grad:.2e} over {errors[0]['parameters']} parameters "
+          f"on every rank: {'OK' if ok else 'MISMATCH'} (tolerance {args.tolerance:g})")
+    return 0 if ok else 1
+
+
 def _calibrate_on_rank(rank, world, mesh, name, out, sizes):
     from autotp.calibrate import calibrate
 
@@ -135,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", default=None, help="per-device memory the plan must fit, e.g. 80GB")
     p.add_argument("--json", default=None, help="also write the plan to this JSON file")
     p.set_defaults(fn=cmd_plan)
+    v = sub.add_parser("verify", help="run a plan on gloo processes and compare with the single-device model")
+    v.add_argument("model", help="path/to/file.py:factory returning a small model with real weights and inputs")
+    v.add_argument("--mesh", default="2", help="mesh shape when planning here (default 2)")
+    v.add_argument("--links", default=None, help="link class per axis")
+    v.add_argument("--profile", default="h100-hgx", help="profile for planning here")
+    v.add_argument("--plan", default=None, help="check this saved plan instead of planning")
+    v.add_argument("--tolerance", type=float, default=1e-5, help="max scaled error allowed (default 1e-5)")
+    v.set_defaults(fn=cmd_verify)
     c = sub.add_parser("calibrate", help="measure this machine and write a profile to cost_models/")
     c.add_argument("--nproc", type=int, default=4, help="local processes to spawn when not under torchrun")
     c.add_argument("--mesh", default=None, help="mesh shape (default: one axis over all processes)")

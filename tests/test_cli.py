@@ -52,3 +52,59 @@ def test_bad_input_is_one_line_and_exit_2(factory_file, args, message):
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+VERIFY_FACTORY = '''
+import torch
+import torch.nn.functional as F
+from models import GPT
+
+
+class Dropout(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return F.dropout(self.fc(x), p=0.5, training=True)  # random: no plan can match it
+
+
+def make():
+    return GPT(vocab=64, hidden=32, heads=4, layers=1, seq=8), (torch.randint(0, 64, (2, 8)),
+                                                                torch.randint(0, 64, (2, 8)))
+
+
+def noisy():
+    return Dropout(), (torch.randn(4, 8),)
+'''
+
+
+@pytest.fixture
+def verify_file(tmp_path):
+    path = tmp_path / "verify_factory.py"
+    examples = Path(__file__).parents[1] / "examples"
+    path.write_text(f"import sys\nsys.path.insert(0, {str(examples)!r})\n" + VERIFY_FACTORY)
+    return path
+
+
+def test_verify_passes_a_sharded_plan_and_fails_a_mismatch(verify_file, tmp_path):
+    import json
+
+    from conftest import compute_bound_profile
+
+    profile = tmp_path / "compute-bound.json"
+    profile.write_text(json.dumps(compute_bound_profile()))
+    out = run("plan", f"{verify_file}:make", "--mesh", "2", "--profile", str(profile), "--json", str(tmp_path / "p.json"))
+    assert out.returncode == 0, out.stderr
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert any("S(" in p for layout in plan["parameters"].values() for p in layout)  # really split
+    good = run("verify", f"{verify_file}:make", "--plan", str(tmp_path / "p.json"))
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert "OK" in good.stdout and "over 21 parameters" in good.stdout
+    bad = run("verify", f"{verify_file}:noisy", "--mesh", "2")
+    assert bad.returncode == 1 and "MISMATCH" in bad.stdout
+
+
+def test_verify_refuses_meta_models(factory_file):
+    out = run("verify", f"{factory_file}:make", "--mesh", "2")
+    assert out.returncode == 2 and "needs real weights" in out.stderr
