@@ -23,12 +23,16 @@ def run(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "autotp.cli", *args], capture_output=True, text=True, cwd=cwd)
 
 
+def write_factory(path: Path, body: str) -> Path:
+    """A factory file that can import the example models, wherever it lives."""
+    examples = Path(__file__).parents[1] / "examples"
+    path.write_text(f"import sys\nsys.path.insert(0, {str(examples)!r})\n" + body)
+    return path
+
+
 @pytest.fixture
 def factory_file(tmp_path):
-    path = tmp_path / "factory.py"
-    examples = Path(__file__).parents[1] / "examples"
-    path.write_text(f"import sys\nsys.path.insert(0, {str(examples)!r})\n" + FACTORY)
-    return path
+    return write_factory(tmp_path / "factory.py", FACTORY)
 
 
 def test_plan_prints_summary_and_writes_json(factory_file, tmp_path):
@@ -81,10 +85,7 @@ def noisy():
 
 @pytest.fixture
 def verify_file(tmp_path):
-    path = tmp_path / "verify_factory.py"
-    examples = Path(__file__).parents[1] / "examples"
-    path.write_text(f"import sys\nsys.path.insert(0, {str(examples)!r})\n" + VERIFY_FACTORY)
-    return path
+    return write_factory(tmp_path / "verify_factory.py", VERIFY_FACTORY)
 
 
 def test_verify_passes_a_sharded_plan_and_fails_a_mismatch(verify_file, tmp_path):
