@@ -143,7 +143,3 @@ def _add_output(problem, graph, name, mesh, profile, training) -> None:
         src = problem.strategy(name, c).out
         for meta in op.out:
             group.cost_s[c] += edge_time_s(src, r, meta, mesh, profile, training, op.requires_grad and meta.is_float)
-
-
-def finite(x: float) -> bool:
-    return not math.isinf(x)

@@ -59,11 +59,6 @@ class Strategy:
         return all(isinstance(p, Replicate) for p in self.out) and all(
             isinstance(p, Replicate) for layout in self.ins for p in layout)
 
-    def splits_work(self, axis: int) -> bool:
-        """True when the op's work is divided on ``axis`` (anything on it is not R)."""
-        return not isinstance(self.out[axis], Replicate) or any(
-            not isinstance(layout[axis], Replicate) for layout in self.ins)
-
     def describe(self) -> str:
         ins = ", ".join("".join(str(p) for p in layout) for layout in self.ins)
         impl = f" [{self.impl}]" if self.impl else ""
