@@ -39,7 +39,7 @@ def _as_tuple(example_inputs) -> tuple:
 
 def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool = True,
          profile=DEFAULT_PROFILE, pin: dict | None = None, allow=None, registry=None,
-         time_limit_s: float | None = None, memory_limit=None) -> Plan:
+         time_limit_s: float | None = None, memory_limit=None, overlap_gradients: bool = False) -> Plan:
     """Choose a placement for every parameter and op of ``model`` on ``mesh``.
 
     ``pin`` fixes parameter placements (``{"fc1.weight": ("S(0)",)}``) and lets
@@ -49,6 +49,9 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     bytes) bounds the predicted memory per device (parameters, gradients, Adam
     state and saved activations); when nothing fits, `MemoryLimitError` says
     the least any plan needs and which term dominates it.
+    ``overlap_gradients=True`` lets the reduction of parameter gradients hide
+    behind the backward compute, as DDP's bucketed all-reduce does (off by
+    default: see docs/cost-model.md).
     """
     started = time.perf_counter()
     mesh, profile = as_mesh(mesh), load_profile(profile)
@@ -58,7 +61,7 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     strategies = enumerate_strategies(graph, mesh.shape, registry or default_registry())
     apply_constraints(graph, strategies, pin, allow)
     prune_unreachable(graph, strategies)
-    problem = build_problem(graph, strategies, mesh, profile, training)
+    problem = build_problem(graph, strategies, mesh, profile, training, overlap_gradients)
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     try:
         solution = solve(problem, time_limit_s, limit)

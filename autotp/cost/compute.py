@@ -43,3 +43,10 @@ def compute_time_s(op, strategy, mesh, profile, training: bool) -> float:
     if training and op.requires_grad:
         return fwd * (1.0 + profile.device["backward_compute_factor"])
     return fwd
+
+
+def backward_time_s(op, strategy, mesh, profile, training: bool) -> float:
+    """The backward part of `compute_time_s`: the compute that gradient reductions can hide behind."""
+    if not (training and op.requires_grad):
+        return 0.0
+    return forward_time_s(op, strategy, mesh, profile) * profile.device["backward_compute_factor"]

@@ -50,7 +50,7 @@ class MemoryInfeasible(Exception):
 def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None):
     """The ILP minimising step time (``"time"``) or per-device memory (``"memory"``)."""
     lp = pulp.LpProblem("autotp", pulp.LpMinimize)
-    x, objective, memory = {}, [], []
+    x, objective, memory, overlap, backward = {}, [], [], [], []
     for name, group in problem.groups.items():
         allowed = [c for c in range(group.n) if not math.isinf(group.cost_s[c])]
         if not allowed:
@@ -59,8 +59,17 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None):
         lp += pulp.lpSum(x[name].values()) == 1, f"one_{_safe(name)}"
         objective += [group.cost_s[c] * _SCALE * v for c, v in x[name].items()]
         memory += [group.memory_bytes[c] / _BYTES * v for c, v in x[name].items()]
+        overlap += [group.overlap_s[c] * _SCALE * v for c, v in x[name].items() if group.overlap_s[c]]
+        backward += [group.backward_s[c] * _SCALE * v for c, v in x[name].items() if group.backward_s[c]]
     for (gu, gv), table in problem.edges.items():
-        objective += _edge_terms(lp, x[gu], x[gv], table, f"{_safe(gu)}__{_safe(gv)}")
+        tag = f"{_safe(gu)}__{_safe(gv)}"
+        y = _pair_variables(lp, x[gu], x[gv], table, tag)
+        objective += _terms(y, table)
+        overlap += _terms(y, problem.overlap_edges.get((gu, gv)))
+    if overlap:  # gradient reductions cost only what the backward compute cannot hide
+        exposed = pulp.LpVariable("exposed_gradient_reduction", lowBound=0)
+        lp += exposed >= pulp.lpSum(overlap) - pulp.lpSum(backward), "overlap_with_backward"
+        objective.append(exposed)
     if memory_limit_bytes is not None:
         lp += pulp.lpSum(memory) <= memory_limit_bytes / _BYTES, "memory_limit"
     lp += pulp.lpSum(objective if minimise == "time" else memory)
@@ -92,11 +101,18 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
                     solution.solve_s, solution.status)
 
 
-def _edge_terms(lp, xu: dict, xv: dict, table, tag: str) -> list:
+def _pair_variables(lp, xu: dict, xv: dict, table, tag: str) -> dict:
+    """Edge-pair variables and their row/column-sum constraints; impossible pairs get none."""
     y = {(i, j): pulp.LpVariable(f"y_{tag}_{i}_{j}", lowBound=0)
          for i in xu for j in xv if not math.isinf(table[i][j])}
     for i, var in xu.items():
         lp += pulp.lpSum(y[i, j] for j in xv if (i, j) in y) == var, f"row_{tag}_{i}"
     for j, var in xv.items():
         lp += pulp.lpSum(y[i, j] for i in xu if (i, j) in y) == var, f"col_{tag}_{j}"
+    return y
+
+
+def _terms(y: dict, table) -> list:
+    if table is None:
+        return []
     return [table[i][j] * _SCALE * v for (i, j), v in y.items() if table[i][j] != 0]

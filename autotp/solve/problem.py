@@ -4,6 +4,10 @@ Follower merging (Alpa's): a pointwise op or view that can take its first
 producer's choice, for every choice that producer has, joins the producer's
 group and adds no variables. Edge costs between groups become matrices; an edge
 touching a single-choice group folds into the other side's cost vector.
+
+Every cost has two parts: exposed seconds, and the gradient reductions of
+parameters, which hide behind the backward pass up to its compute time
+(`ilp` takes ``max(0, overlappable - backward)``).
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ import math
 from dataclasses import dataclass, field
 
 from autotp.cost.comm import inner_time_s
-from autotp.cost.compute import compute_time_s
+from autotp.cost.compute import backward_time_s, compute_time_s
 from autotp.cost.memory import node_memory_bytes
-from autotp.cost.reshard import edge_time_s
-from autotp.graph.opgraph import OpGraph
+from autotp.cost.reshard import edge_time_s, edge_times_s
+from autotp.graph.opgraph import KIND_PARAM, OpGraph
 from autotp.placement import Partial, R
 from autotp.strategies.enumerate import OpStrategies
 
@@ -26,7 +30,9 @@ class Group:
 
     leader: str
     choices: dict[str, list[int]] = field(default_factory=dict)  # member -> strategy index per leader choice
-    cost_s: list[float] = field(default_factory=list)
+    cost_s: list[float] = field(default_factory=list)  # exposed time per choice
+    overlap_s: list[float] = field(default_factory=list)  # gradient reductions that can hide behind backward
+    backward_s: list[float] = field(default_factory=list)  # backward compute they can hide behind
     memory_bytes: list[int] = field(default_factory=list)  # per device, summed over members
 
     @property
@@ -40,8 +46,10 @@ class Problem:
 
     groups: dict[str, Group]
     group_of: dict[str, str]
-    edges: dict[tuple[str, str], list[list[float]]]
+    edges: dict[tuple[str, str], list[list[float]]]  # exposed seconds per pair of choices
     strategies: OpStrategies
+    overlap_edges: dict[tuple[str, str], list[list[float]]] = field(default_factory=dict)
+    overlap_gradients: bool = False
 
     def strategy(self, node: str, choice: int):
         group = self.groups[self.group_of[node]]
@@ -83,17 +91,24 @@ def build_groups(graph: OpGraph, strategies: OpStrategies) -> tuple[dict[str, Gr
     return groups, group_of
 
 
-def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, training: bool) -> Problem:
-    """Cost every group choice and every cross-group edge in seconds."""
+def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, training: bool,
+                  overlap_gradients: bool = False) -> Problem:
+    """Cost every group choice and every cross-group edge in seconds.
+
+    With ``overlap_gradients`` the reductions of parameter gradients are kept
+    apart, to hide behind the backward compute; otherwise they are exposed.
+    """
     groups, group_of = build_groups(graph, strategies)
-    problem = Problem(groups, group_of, {}, strategies)
+    problem = Problem(groups, group_of, {}, strategies, overlap_gradients=overlap_gradients)
     for group in groups.values():
         group.cost_s, group.memory_bytes = [0.0] * group.n, [0] * group.n
+        group.overlap_s, group.backward_s = [0.0] * group.n, [0.0] * group.n
     for op in graph.nodes():
         group = groups[group_of[op.name]]
         for c in range(group.n):
             strategy = problem.strategy(op.name, c)
             group.cost_s[c] += compute_time_s(op, strategy, mesh, profile, training)
+            group.backward_s[c] += backward_time_s(op, strategy, mesh, profile, training)
             group.cost_s[c] += inner_time_s(op, strategy, mesh, profile)
             group.memory_bytes[c] += sum(node_memory_bytes(op, strategy, mesh, training).values())
     for op in graph.nodes():
@@ -104,14 +119,16 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
     return problem
 
 
-def _edge_cost(problem, graph, producer, op, i, cu, cv, mesh, profile, training) -> float:
+def _edge_cost(problem, graph, producer, op, i, cu, cv, mesh, profile, training) -> tuple[float, float]:
+    """``(exposed, overlappable)`` seconds of one edge for one pair of choices."""
     src = problem.strategy(producer, cu).out
     s = problem.strategy(op.name, cv)
     meta = op.in_metas[i]
     if graph.node(producer).multi_output and src != s.ins[i]:
-        return math.inf  # the pieces of split/chunk are taken as they are produced
+        return math.inf, 0.0  # the pieces of split/chunk are taken as they are produced
     grad = op.requires_grad and graph.node(producer).requires_grad and meta.is_float
-    return edge_time_s(src, s.ins[i], meta, mesh, profile, training, grad, s.grad_allreduce_axes(i))
+    return edge_times_s(src, s.ins[i], meta, mesh, profile, training, grad, s.grad_allreduce_axes(i),
+                        from_parameter=problem.overlap_gradients and graph.node(producer).kind == KIND_PARAM)
 
 
 def _add_edge(problem, graph, producer, op, i, mesh, profile, training) -> None:
@@ -120,18 +137,25 @@ def _add_edge(problem, graph, producer, op, i, mesh, profile, training) -> None:
     if gu == gv:  # both ends are fixed by the same choice
         group = problem.groups[gu]
         for c in range(group.n):
-            group.cost_s[c] += _edge_cost(problem, graph, producer, op, i, c, c, mesh, profile, training)
+            exposed, overlap = _edge_cost(problem, graph, producer, op, i, c, c, mesh, profile, training)
+            group.cost_s[c] += exposed
+            group.overlap_s[c] += overlap
         return
-    table = [[_edge_cost(problem, graph, producer, op, i, cu, cv, mesh, profile, training) for cv in range(nv)]
+    pairs = [[_edge_cost(problem, graph, producer, op, i, cu, cv, mesh, profile, training) for cv in range(nv)]
              for cu in range(nu)]
     if nu == 1 or nv == 1:  # fold into the side that has a choice
         for cu in range(nu):
             for cv in range(nv):
                 target, c = (problem.groups[gv], cv) if nu == 1 else (problem.groups[gu], cu)
-                target.cost_s[c] += table[cu][cv]
+                target.cost_s[c] += pairs[cu][cv][0]
+                target.overlap_s[c] += pairs[cu][cv][1]
         return
-    old = problem.edges.get((gu, gv))
-    problem.edges[(gu, gv)] = table if old is None else [[a + b for a, b in zip(r0, r1)] for r0, r1 in zip(old, table)]
+    for edges, k in ((problem.edges, 0), (problem.overlap_edges, 1)):
+        table = [[pair[k] for pair in row] for row in pairs]
+        if k == 1 and not any(any(row) for row in table):
+            continue
+        old = edges.get((gu, gv))
+        edges[(gu, gv)] = table if old is None else [[a + b for a, b in zip(r0, r1)] for r0, r1 in zip(old, table)]
 
 
 def _add_output(problem, graph, name, mesh, profile, training) -> None:

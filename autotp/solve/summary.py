@@ -27,8 +27,9 @@ def format_summary(plan) -> str:
         nbytes = sum(c["bytes"] for c in plan.collectives if (c["phase"], c["kind"], c["axis"]) == (phase, kind, axis))
         lines.append(f"  {phase:<8} {kind:<14} on {axis:<4} x{n:<3} {format_bytes(nbytes):>10}  {_fmt_s(total)}")
     p = plan.predicted
+    hidden = f", of which {_fmt_s(p['hidden_comm_s'])} hidden behind backward" if p.get("hidden_comm_s") else ""
     lines += ["", f"predicted step time: {_fmt_s(p['total_s'])} "
-                  f"(compute {_fmt_s(p['compute_s'])}, communication {_fmt_s(p['comm_s'])})"]
+                  f"(compute {_fmt_s(p['compute_s'])}, communication {_fmt_s(p['comm_s'])}{hidden})"]
     mem = plan.memory
     lines.append("memory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items() if v or k == "total"))
     lines.append(f"ILP: {plan.ilp['ops']} ops in {plan.ilp['groups']} groups, "

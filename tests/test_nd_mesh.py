@@ -1,0 +1,44 @@
+"""N-D meshes: the ILP places weight splits and batch splits on the axes whose links suit them.
+
+With a slow outer axis (Ethernet) and NVLink inside, the weights split on the
+NVLink axis (tensor parallel) and the batch on the slow one, whose gradient
+reduction hides behind the backward pass (``overlap_gradients``). With huge
+weights, a tiny batch and NVLink on both axes, the weights split on both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import autotp
+from models import GPT
+
+
+def _gpt(hidden: int, batch: int, seq: int):
+    with torch.device("meta"):
+        model = GPT(vocab=32768, hidden=hidden, heads=64, layers=2, seq=seq)
+    idx = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return model, (idx, idx)
+
+
+def test_slow_outer_axis_gets_the_batch_fast_inner_axis_the_weights():
+    model, inputs = _gpt(4096, 16, 1024)
+    mesh = autotp.Mesh((2, 8), names=("dp", "tp"), links=("ethernet", "nvlink"))
+    plan = autotp.plan(model, mesh, inputs, profile="ethernet-2node", overlap_gradients=True)
+    for i in range(2):
+        for name, dim in (("q", 0), ("k", 0), ("v", 0), ("up", 0), ("proj", 1), ("down", 1)):
+            assert plan.parameters[f"blocks.{i}.{name}.weight"] == ("R", f"S({dim})"), name
+    assert plan.nodes["scaled_dot_product_attention"].out == ("S(0)", "S(1)")  # batch on dp, heads on tp
+    reductions = [c for c in plan.collectives if c["phase"] == "backward" and c["producer"].startswith("blocks")
+                  and c["producer"].endswith("weight")]
+    assert reductions and {c["axis"] for c in reductions} == {"dp"}  # gradients reduced over the slow axis
+
+
+def test_huge_weights_tiny_batch_fast_links_split_weights_on_both_axes():
+    model, inputs = _gpt(8192, 2, 16)
+    mesh = autotp.Mesh((2, 8), names=("dp", "tp"), links=("nvlink", "nvlink"))
+    plan = autotp.plan(model, mesh, inputs, profile="h100-hgx", overlap_gradients=True)
+    for i in range(2):
+        for name in ("up", "down"):
+            placements = plan.parameters[f"blocks.{i}.{name}.weight"]
+            assert all(p.startswith("S(") for p in placements), (name, placements)
