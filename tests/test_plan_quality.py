@@ -1,8 +1,8 @@
 """Plan quality on Llama at scale (meta device, mesh 8, H100 profile) against Hugging Face's own plan.
 
-Hugging Face's ``base_model_tp_plan`` (q/k/v/gate/up colwise, o/down rowwise,
-lm_head colwise) is expressed as pinned placements and costed by the same
-model; autotp's plan must be predicted no slower. With few tokens per step
+Hugging Face's own plan (q/k/v/gate/up colwise, o/down rowwise, the embedding
+split over the vocabulary, lm_head colwise) is imported as pinned placements
+(`autotp.interop.hf_tp_plan_pins`) and costed by the same model; autotp's plan must be predicted no slower. With few tokens per step
 (weights dominate) the plan is Megatron's, two all-reduces per layer in
 forward; with long sequences autotp keeps the residual stream split between
 the blocks, which costs the same bytes as the two all-reduces and less compute.
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import autotp
-from test_transformers import hf_tp_plan_pins
+from autotp.interop import hf_tp_plan_pins
 
 LAYERS = 2
 

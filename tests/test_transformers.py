@@ -9,34 +9,18 @@ count and a vocabulary the mesh does not divide).
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
 import autotp
 import hf_models
+from autotp.interop import hf_tp_plan_pins
 from autotp.runtime import spawn
 from autotp.runtime.verify import max_errors
 from conftest import compute_bound_profile
 
 TOLERANCE = 1e-5
 MATMULS = ("linear", "mm", "bmm", "matmul", "addmm")
-
-
-def hf_tp_plan_pins(model) -> dict:
-    """Hugging Face's ``base_model_tp_plan`` for Llama as autotp pins: colwise = S(0), rowwise = S(1)."""
-    plan = dict(type(model.config).base_model_tp_plan)
-    pins = {}
-    for name, _ in model.named_parameters():
-        placement = "R"
-        for pattern, style in plan.items():
-            if re.fullmatch("model." + pattern.replace(".", r"\.").replace("*", r"\d+") + r"\.weight", name):
-                placement = {"colwise": "S(0)", "rowwise": "S(1)"}.get(style, "R")
-        if name == "lm_head.weight":
-            placement = "S(0)"  # colwise_gather_output
-        pins[name] = (placement,)
-    return pins
 
 
 CASES = [(name, {}, train, "ilp") for name in hf_models.FAMILIES for train in (False, True)] + [
@@ -50,8 +34,7 @@ CASES = [(name, {}, train, "ilp") for name in hf_models.FAMILIES for train in (F
 def _plan(name, overrides, train, kind, mesh):
     model, args, kwargs = hf_models.build(name, train, **overrides)
     if kind == "hf_tp_plan":
-        pins = {k: ("R",) * (mesh.ndim - 1) + v for k, v in hf_tp_plan_pins(model).items()}
-        return autotp.plan(model, mesh, args, kwargs, pin=pins)
+        return autotp.plan(model, mesh, args, kwargs, pin=hf_tp_plan_pins(model, mesh.ndim))
     return autotp.plan(model, mesh, args, kwargs, profile=compute_bound_profile())
 
 
