@@ -58,7 +58,7 @@ def cmd_plan(args) -> int:
     mesh = Mesh(args.mesh, links=args.links)
     model, inputs, kwargs = _call_factory(load_factory(args.model))
     result = plan(model, mesh, inputs, kwargs, training=not args.inference, profile=args.profile,
-                  memory_limit=args.memory_limit)
+                  memory_limit=args.memory_limit, overlap_gradients=args.overlap_gradients)
     print(result.summary())
     print(f"planned in {result.stats['plan_s']:.2f} s (ILP solve {result.stats['solve_s']:.2f} s)")
     if args.json:
@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="h100-hgx", help="profile name in cost_models/ or a path to a JSON profile")
     p.add_argument("--inference", action="store_true", help="plan the forward pass only")
     p.add_argument("--memory-limit", default=None, help="per-device memory the plan must fit, e.g. 80GB")
+    p.add_argument("--overlap-gradients", action="store_true",
+                   help="let parameter-gradient reductions hide behind the backward pass (as DDP does)")
     p.add_argument("--json", default=None, help="also write the plan to this JSON file")
     p.set_defaults(fn=cmd_plan)
     v = sub.add_parser("verify", help="run a plan on gloo processes and compare with the single-device model")

@@ -109,3 +109,17 @@ def test_verify_passes_a_sharded_plan_and_fails_a_mismatch(verify_file, tmp_path
 def test_verify_refuses_meta_models(factory_file):
     out = run("verify", f"{factory_file}:make", "--mesh", "2")
     assert out.returncode == 2 and "needs real weights" in out.stderr
+
+
+def test_the_set_of_flags_is_pinned():
+    """Flags are an interface: adding or renaming one must be a visible change to this test and the docs."""
+    from autotp.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    flags = {name: sorted(o for a in p._actions for o in a.option_strings if o.startswith("--") and o != "--help")
+             for name, p in sub.choices.items()}
+    assert flags == {
+        "plan": ["--inference", "--json", "--links", "--memory-limit", "--mesh", "--overlap-gradients", "--profile"],
+        "verify": ["--links", "--mesh", "--plan", "--profile", "--tolerance"],
+        "calibrate": ["--backend", "--links", "--max-size", "--mesh", "--name", "--nproc", "--out"],
+    }
