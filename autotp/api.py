@@ -8,21 +8,21 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autotp.capture import capture, example_specs, inputs_from_specs
+from autotp.cost.memory import TERMS, memory_by_term
 from autotp.cost.profile import load_profile
+from autotp.errors import MemoryLimitError
 from autotp.graph import build_opgraph
 from autotp.lower import lower
 from autotp.mesh import Mesh
 from autotp.runtime.groups import mesh_groups
-from autotp.cost.memory import TERMS, memory_by_term
-from autotp.errors import MemoryLimitError
 from autotp.solve.assemble import assemble_plan, chosen_strategies
 from autotp.solve.constraints import apply_constraints
 from autotp.solve.ilp import MemoryInfeasible, solve
-from autotp.units import format_bytes, parse_bytes
 from autotp.solve.plan import Plan
 from autotp.solve.problem import build_problem
 from autotp.strategies import default_registry, enumerate_strategies
 from autotp.strategies.enumerate import prune_unreachable
+from autotp.units import format_bytes, parse_bytes
 
 DEFAULT_PROFILE = "h100-hgx"
 

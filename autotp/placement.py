@@ -87,6 +87,11 @@ def local_shape(shape, layout, mesh_shape) -> tuple[int, ...]:
     return tuple(s // shard_factor(layout, d, mesh_shape) for d, s in enumerate(shape))
 
 
+def local_bytes(meta, layout, mesh_shape) -> int:
+    """Bytes of one device's piece of a tensor described by ``meta`` (shape and dtype)."""
+    return math.prod(local_shape(meta.shape, layout, mesh_shape)) * meta.dtype.itemsize
+
+
 def divides(shape, layout, mesh_shape) -> bool:
     """True when every sharded dim exists and splits evenly (autotp offers even splits only)."""
     for p in layout:

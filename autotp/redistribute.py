@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autotp.placement import Partial, Replicate, Shard, local_shape
+from autotp.placement import Partial, Replicate, Shard, local_bytes
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, SLICE = "all_reduce", "all_gather", "reduce_scatter", "slice"
 GRAD_ALL_REDUCE = "grad_all_reduce"
@@ -97,7 +97,7 @@ def plan_steps(src, dst, meta, mesh_shape, grad_axes=()) -> list[Step]:
             s = steps[last[-1]]
             steps[last[-1]] = Step(ALL_GATHER_RS, s.axis, s.dim, s.message_bytes)
         else:
-            steps.append(Step(GRAD_ALL_REDUCE, axis, None, _bytes(meta.shape, dst, mesh_shape, meta.dtype.itemsize)))
+            steps.append(Step(GRAD_ALL_REDUCE, axis, None, local_bytes(meta, dst, mesh_shape)))
     return steps
 
 
@@ -105,30 +105,22 @@ def _layout_steps(src, dst, meta, mesh_shape) -> list[Step]:
     if any(isinstance(d, Partial) and not isinstance(s, Partial) for s, d in zip(src, dst)):
         raise Unsupported(f"cannot produce a partial sum from {src}")
     cur, steps = list(src), []
-    itemsize = meta.dtype.itemsize
     for a in sorted(_axes_to_clear(src, dst), reverse=True):
         n = mesh_shape[a]
-        local_bytes = _bytes(meta.shape, cur, mesh_shape, itemsize)
+        piece_bytes = local_bytes(meta, cur, mesh_shape)
         if isinstance(cur[a], Shard):
-            steps.append(Step(ALL_GATHER, a, cur[a].dim, local_bytes * n))
+            steps.append(Step(ALL_GATHER, a, cur[a].dim, piece_bytes * n))
         elif isinstance(dst[a], Shard) and not any(
                 b != a and dst[a].dim in (getattr(cur[b], "dim", None), getattr(dst[b], "dim", None))
                 for b in range(len(cur))):
-            steps.append(Step(REDUCE_SCATTER, a, dst[a].dim, local_bytes))
+            steps.append(Step(REDUCE_SCATTER, a, dst[a].dim, piece_bytes))
             cur[a] = dst[a]
             continue
         else:
-            steps.append(Step(ALL_REDUCE, a, None, local_bytes))
+            steps.append(Step(ALL_REDUCE, a, None, piece_bytes))
         cur[a] = Replicate()
     for a in range(len(cur)):
         if cur[a] != dst[a]:
-            steps.append(Step(SLICE, a, dst[a].dim, _bytes(meta.shape, cur, mesh_shape, itemsize)))
+            steps.append(Step(SLICE, a, dst[a].dim, local_bytes(meta, cur, mesh_shape)))
             cur[a] = dst[a]
     return steps
-
-
-def _bytes(shape, layout, mesh_shape, itemsize) -> int:
-    n = 1
-    for s in local_shape(shape, layout, mesh_shape):
-        n *= s
-    return n * itemsize

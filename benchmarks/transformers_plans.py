@@ -29,7 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mesh", default="4")
     mesh = autotp.Mesh(parser.parse_args().mesh)
-    print(f"| model | ops | plan s | solve s | fallbacks | forward / layer | backward / layer | step ms |")
+    print("| model | ops | plan s | solve s | fallbacks | forward / layer | backward / layer | step ms |")
     print("|---|---|---|---|---|---|---|---|")
     for name in hf_models.FAMILIES:
         model, args, kwargs = hf_models.build_large(name)

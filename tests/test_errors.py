@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import autotp
 from autotp.errors import MeshError, PlanError

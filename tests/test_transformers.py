@@ -10,7 +10,6 @@ count and a vocabulary the mesh does not divide).
 from __future__ import annotations
 
 import pytest
-import torch
 
 import autotp
 import hf_models

@@ -6,7 +6,8 @@ nccl-tests, so ``busbw`` is comparable across collectives and axis sizes.
 
 from __future__ import annotations
 
-from autotp.redistribute import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, SLICE
+from autotp.placement import shard_factor
+from autotp.redistribute import ALL_REDUCE, SLICE
 
 
 def bus_factor(kind: str, n: int) -> float:
@@ -22,22 +23,19 @@ def collective_time_s(kind: str, axis: int, message_bytes: float, mesh, profile)
     return curve.latency_s + bus_factor(kind, n) * message_bytes / curve.busbw(kind, message_bytes)
 
 
-__all__ = ["collective_time_s", "bus_factor", "ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER"]
+def inner_all_reduces(op, strategy, mesh) -> list[tuple[int, int]]:
+    """``(axis, message_bytes)`` of each all-reduce a strategy's own implementation runs.
+
+    The vocabulary-parallel loss reduces one fp32 value per local row, three times.
+    """
+    if not any(strategy.inner_all_reduces):
+        return []
+    rows = op.in_metas[0].shape[0] // shard_factor(strategy.ins[0], 0, mesh.shape)
+    return [(axis, rows * 4) for axis, calls in enumerate(strategy.inner_all_reduces)
+            if mesh.shape[axis] > 1 for _ in range(calls)]
 
 
 def inner_time_s(op, strategy, mesh, profile) -> float:
-    """All-reduces run inside a strategy's own implementation: one fp32 value per local row each."""
-    total = 0.0
-    for axis, calls in enumerate(strategy.inner_all_reduces):
-        if calls:
-            rows = op.in_metas[0].shape[0] // _row_split(strategy.ins[0], mesh.shape)
-            total += calls * collective_time_s(ALL_REDUCE, axis, rows * 4, mesh, profile)
-    return total
-
-
-def _row_split(layout, mesh_shape) -> int:
-    n = 1
-    for p, size in zip(layout, mesh_shape):
-        if getattr(p, "dim", None) == 0:
-            n *= size
-    return n
+    """Seconds of the all-reduces run inside a strategy's own implementation."""
+    return sum(collective_time_s(ALL_REDUCE, axis, nbytes, mesh, profile)
+               for axis, nbytes in inner_all_reduces(op, strategy, mesh))

@@ -7,20 +7,12 @@ differentiated ops, the upper bound of what autograd saves.
 
 from __future__ import annotations
 
-import math
-
 from autotp.graph.flops import is_alias
 from autotp.graph.opgraph import KIND_OP, KIND_PARAM, KIND_BUFFER
-from autotp.placement import local_shape
+from autotp.placement import local_bytes
 
 ADAM_MOMENTS = 2
 FP32_BYTES = 4
-
-
-def _local_bytes(meta, layout, mesh_shape) -> int:
-    return math.prod(local_shape(meta.shape, layout, mesh_shape)) * meta.dtype.itemsize
-
-
 TERMS = ("parameters", "gradients", "optimizer", "buffers", "activations")
 
 
@@ -28,15 +20,15 @@ def node_memory_bytes(op, strategy, mesh, training: bool) -> dict[str, int]:
     """Bytes one node keeps on each device under ``strategy``, by term (only the terms it has)."""
     layout = strategy.out
     if op.kind == KIND_PARAM:
-        local = _local_bytes(op.out[0], layout, mesh.shape)
+        local = local_bytes(op.out[0], layout, mesh.shape)
         if not (training and op.requires_grad):
             return {"parameters": local}
-        numel = math.prod(local_shape(op.out[0].shape, layout, mesh.shape))
+        numel = local // op.out[0].dtype.itemsize
         return {"parameters": local, "gradients": local, "optimizer": ADAM_MOMENTS * FP32_BYTES * numel}
     if op.kind == KIND_BUFFER:
-        return {"buffers": _local_bytes(op.out[0], layout, mesh.shape)}
+        return {"buffers": local_bytes(op.out[0], layout, mesh.shape)}
     if op.kind == KIND_OP and training and op.requires_grad and not is_alias(op.target):
-        return {"activations": sum(_local_bytes(m, layout, mesh.shape) for m in op.out)}
+        return {"activations": sum(local_bytes(m, layout, mesh.shape) for m in op.out)}
     return {}
 
 

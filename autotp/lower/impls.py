@@ -17,9 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from autotp.lower.collectives import all_reduce_partial
-from autotp.placement import Shard, shard_index
-
-_MEAN, _SUM, _NONE = 1, 2, 0
+from autotp.placement import Shard, shard_factor, shard_index
+from autotp.strategies.loss import REDUCTION_NONE, REDUCTION_SUM, loss_arg
 
 
 def vocab_start(layout, dim: int, coords, mesh_shape, local_size: int) -> int:
@@ -66,9 +65,9 @@ class VocabParallelCrossEntropy(nn.Module):
             picked = all_reduce_partial(picked, comm)
         valid = (target != self.ignore_index).to(logits.dtype)
         loss = (sum_exp.log() - picked) * valid
-        if self.reduction == _NONE:
+        if self.reduction == REDUCTION_NONE:
             return loss
-        if self.reduction == _SUM:
+        if self.reduction == REDUCTION_SUM:
             return loss.sum()
         return loss.sum() / valid.sum()
 
@@ -82,23 +81,14 @@ def build_impl(impl: str, target, op_args: tuple, op_kwargs: dict, in_layouts, i
     if impl == "vocab_parallel" and target == torch.ops.aten.cross_entropy_loss.default:
         return _cross_entropy(op_args, op_kwargs, in_layouts, in_shapes, coords, mesh_shape, comms)
     if impl == "vocab_parallel" and target == torch.ops.aten.embedding.default:
-        rows = in_shapes[0][0] // _factor(in_layouts[0], 0, mesh_shape)
+        rows = in_shapes[0][0] // shard_factor(in_layouts[0], 0, mesh_shape)
         return VocabParallelEmbedding(vocab_start(in_layouts[0], 0, coords, mesh_shape, rows), rows)
     raise ValueError(f"no implementation {impl!r} for {target}")
 
 
-def _factor(layout, dim, mesh_shape) -> int:
-    n = 1
-    for p, size in zip(layout, mesh_shape):
-        if isinstance(p, Shard) and p.dim == dim:
-            n *= size
-    return n
-
-
 def _cross_entropy(op_args, op_kwargs, in_layouts, in_shapes, coords, mesh_shape, comms) -> nn.Module:
-    cols = in_shapes[0][1] // _factor(in_layouts[0], 1, mesh_shape)
+    cols = in_shapes[0][1] // shard_factor(in_layouts[0], 1, mesh_shape)
     axes = [a for a, p in enumerate(in_layouts[0]) if isinstance(p, Shard) and p.dim == 1]
-    reduction = op_args[3] if len(op_args) > 3 else op_kwargs.get("reduction", _MEAN)
-    ignore_index = op_args[4] if len(op_args) > 4 else op_kwargs.get("ignore_index", -100)
     return VocabParallelCrossEntropy(vocab_start(in_layouts[0], 1, coords, mesh_shape, cols), cols,
-                                     [comms[a] for a in axes], reduction, ignore_index)
+                                     [comms[a] for a in axes], loss_arg(op_args, op_kwargs, "reduction"),
+                                     loss_arg(op_args, op_kwargs, "ignore_index"))

@@ -25,21 +25,17 @@ from autotp.graph.opgraph import TensorMeta, build_opgraph, meta_of, tensor_inpu
 from autotp.lower.collectives import AxisComm, Collective
 from autotp.lower.impls import build_impl
 from autotp.lower.local_args import local_target, localize_args
-from autotp.placement import R, Replicate, Shard, local_shape, parse_layout, shard_index
+from autotp.placement import R, Shard, local_shape, parse_layout, shard_factor, shard_index
 from autotp.redistribute import plan_steps
 from autotp.strategies.base import Strategy
-
 
 
 def shard_tensor(full: torch.Tensor, layout, mesh_shape, coords) -> torch.Tensor:
     """This device's piece of ``full`` under ``layout`` (a copy, so only the shard stays alive)."""
     piece = full
     for dim in sorted({p.dim for p in layout if isinstance(p, Shard)}):
-        n = 1
-        for p, size in zip(layout, mesh_shape):
-            if isinstance(p, Shard) and p.dim == dim:
-                n *= size
-        piece = piece.chunk(n, dim=dim)[shard_index(layout, dim, coords, mesh_shape)]
+        index = shard_index(layout, dim, coords, mesh_shape)
+        piece = piece.chunk(shard_factor(layout, dim, mesh_shape), dim=dim)[index]
     return piece.detach().clone()
 
 
@@ -109,13 +105,13 @@ def _rewrite_inputs(low: _Lowerer, node: fx.Node, entry) -> None:
     layouts = entry.in_layouts()
     if len(layouts) != len(inputs):
         raise PlanError(f"node {node.name!r} has {len(inputs)} tensor inputs but the plan gives {len(layouts)}")
+    if node.target is operator.getitem:
+        return  # pieces of a split keep the split's layout
     strategy = Strategy(out=entry.out_layout(), ins=layouts)
     replaced = {}
     with low.gm.graph.inserting_before(node):
         for i, inp in enumerate(inputs):
             src = low.plan.nodes[inp.name].out_layout()
-            if node.target is operator.getitem:
-                continue  # pieces of a split keep the split's layout
             replaced[i] = low.redistribute(inp, src, layouts[i], strategy.grad_allreduce_axes(i))
     counter = iter(range(len(inputs)))
 
@@ -183,12 +179,7 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None) -> fx.GraphModule:
             with gm.graph.inserting_before(node):
                 node.args = pytree.tree_map(
                     lambda a: low.redistribute(a, plan.nodes[a.name].out_layout(), replicated)
-                    if isinstance(a, fx.Node) and a.name in plan.nodes and not _is_replicated(plan, a) else a,
-                    node.args)
+                    if isinstance(a, fx.Node) and a.name in plan.nodes else a, node.args)
     gm.graph.lint()
     gm.recompile()
     return gm
-
-
-def _is_replicated(plan, node) -> bool:
-    return all(isinstance(p, Replicate) for p in plan.nodes[node.name].out_layout())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autotp.cost.comm import _row_split, collective_time_s
+from autotp.cost.comm import collective_time_s, inner_all_reduces
 from autotp.cost.compute import backward_time_s, compute_time_s
 from autotp.cost.memory import memory_by_term
 from autotp.graph.opgraph import KIND_PARAM
@@ -35,12 +35,8 @@ def edge_collectives(mesh, profile, training, node, producer, index, src, dst, m
 
 def inner_collectives(op, strategy, mesh, profile) -> list[dict]:
     """The all-reduces a strategy's own implementation runs (vocabulary-parallel loss)."""
-    out = []
-    for axis, calls in enumerate(strategy.inner_all_reduces):
-        if calls and mesh.shape[axis] > 1:
-            rows = op.in_metas[0].shape[0] // _row_split(strategy.ins[0], mesh.shape)
-            out += [_record(mesh, profile, op.name, op.name, 0, "forward", "all_reduce", axis, rows * 4)] * calls
-    return out
+    return [_record(mesh, profile, op.name, op.name, 0, "forward", "all_reduce", axis, nbytes)
+            for axis, nbytes in inner_all_reduces(op, strategy, mesh)]
 
 
 def all_collectives(graph, chosen, mesh, profile, training) -> list[dict]:

@@ -20,7 +20,7 @@ from autotp.cost.compute import backward_time_s, compute_time_s
 from autotp.cost.memory import node_memory_bytes
 from autotp.cost.reshard import edge_time_s, edge_times_s
 from autotp.graph.opgraph import KIND_PARAM, OpGraph
-from autotp.placement import Partial, R
+from autotp.placement import R
 from autotp.strategies.enumerate import OpStrategies
 
 
@@ -56,22 +56,13 @@ class Problem:
         return self.strategies.by_node[node][group.choices[node][choice]]
 
 
-def _can_arrive(layout, producer_strategies) -> bool:
-    """A required input layout is reachable unless it asks for P where the producer never gives P."""
-    for a, p in enumerate(layout):
-        if isinstance(p, Partial) and not any(isinstance(s.out[a], Partial) for s in producer_strategies):
-            return False
-    return True
-
-
 def _follow_choice(op, produced, strategies: OpStrategies):
-    """Index of ``op``'s strategy that consumes ``produced`` on input 0 as is, or None."""
-    for idx, s in enumerate(strategies.by_node[op.name]):
-        if s.ins[0] != produced:
-            continue
-        if all(_can_arrive(s.ins[j], strategies.by_node[op.inputs[j]]) for j in range(1, len(op.inputs))):
-            return idx
-    return None
+    """Index of ``op``'s strategy that consumes ``produced`` on input 0 as is, or None.
+
+    Strategies are already pruned (`prune_unreachable`), so every partial sum a
+    candidate needs from its other inputs can be produced.
+    """
+    return next((idx for idx, s in enumerate(strategies.by_node[op.name]) if s.ins[0] == produced), None)
 
 
 def build_groups(graph: OpGraph, strategies: OpStrategies) -> tuple[dict[str, Group], dict[str, str]]:

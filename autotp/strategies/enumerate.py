@@ -63,9 +63,9 @@ def prune_unreachable(graph: OpGraph, strategies: OpStrategies) -> None:
     the ILP cannot satisfy.
     """
     for op in graph.nodes():
-        kept = [s for s in strategies.by_node[op.name] if _partials_reachable(s, op, strategies)]
-        strategies.by_node[op.name] = kept or [replicated_strategy(op, len(s.out))
-                                               for s in strategies.by_node[op.name][:1]]
+        options = strategies.by_node[op.name]
+        kept = [s for s in options if _partials_reachable(s, op, strategies)]
+        strategies.by_node[op.name] = kept or [replicated_strategy(op, len(options[0].out))]
 
 
 def _partials_reachable(strategy: Strategy, op, strategies: OpStrategies) -> bool:

@@ -15,22 +15,27 @@ from __future__ import annotations
 from autotp.strategies.base import AxisOption, P, R, Shard
 from autotp.strategies.embedding import VOCAB_PARALLEL
 
-_NONE, _MEAN, _SUM = 0, 1, 2
+REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2  # aten's codes
 
 
 def cross_entropy_rule(op):
-    reduction = _arg(op, 3, "reduction", _MEAN)
+    reduction = loss_arg(op.args, op.kwargs, "reduction")
     x = op.in_metas[0]
     options = []
-    if len(x.shape) == 2 and len(op.inputs) == 2 and _arg(op, 5, "label_smoothing", 0.0) == 0.0:
+    if len(x.shape) == 2 and len(op.inputs) == 2 and loss_arg(op.args, op.kwargs, "label_smoothing") == 0.0:
         options.append(AxisOption(R, (Shard(1), R), impl=VOCAB_PARALLEL, inner_all_reduces=3))
-    if len(x.shape) < 2 or x.shape[0] == 1 or reduction == _MEAN:
+    if len(x.shape) < 2 or x.shape[0] == 1 or reduction == REDUCTION_MEAN:
         return options
-    out = Shard(0) if reduction == _NONE else P
+    out = Shard(0) if reduction == REDUCTION_NONE else P
     # inputs: logits, target, then an optional class-weight vector that stays whole
     rest = (Shard(0),) + (R,) * (len(op.inputs) - 2)
     return options + [AxisOption(out, (Shard(0),) + rest)]
 
 
-def _arg(op, index: int, name: str, default):
-    return op.args[index] if len(op.args) > index else op.kwargs.get(name, default)
+_ARGS = {"reduction": (3, REDUCTION_MEAN), "ignore_index": (4, -100), "label_smoothing": (5, 0.0)}
+
+
+def loss_arg(args: tuple, kwargs: dict, name: str):
+    """An argument of ``cross_entropy_loss(input, target, weight, reduction, ignore_index, label_smoothing)``."""
+    index, default = _ARGS[name]
+    return args[index] if len(args) > index else kwargs.get(name, default)
