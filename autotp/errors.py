@@ -36,3 +36,23 @@ class MemoryLimitError(PlanError):
 
 class SolverError(AutotpError, RuntimeError):
     """The ILP solver did not return a feasible plan."""
+
+
+class DtypeError(AutotpError, ValueError):
+    """A tensor or a dtype name uses a dtype autotp cannot cost or shard (complex, float8, a typo)."""
+
+
+class InputError(CaptureError):
+    """The example inputs do not match the model's ``forward`` (count, names, shapes or dtypes)."""
+
+
+class RankFailedError(AutotpError, RuntimeError):
+    """A rank of a spawned process group raised, died, or did not finish in time; the others were stopped."""
+
+
+class SolverGapWarning(UserWarning):
+    """The solver hit its time limit: the plan is the best found, within the stated optimality gap."""
+
+
+class ModelSpecError(AutotpError, ValueError):
+    """A model named on the command line (file, transformers architecture or plan) cannot be built."""

@@ -1,0 +1,84 @@
+"""Faults: a rank that dies or hangs ends the run with an error naming it; interrupted writes keep the old file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autotp.errors import RankFailedError
+from autotp.fileio import atomic_path, atomic_write_text
+from autotp.runtime import spawn
+
+
+def _fail_while_peer_waits(rank, world, how):
+    """Rank 1 fails in its own way while rank 0 is blocked in an all_reduce that needs it."""
+    if rank == 1:
+        time.sleep(0.2)
+        if how == "exit":
+            os._exit(3)
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "hang":
+            time.sleep(600)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t)
+
+
+@pytest.mark.parametrize("how, detail", [("exit", "died (exit code 3)"), ("sigkill", "died (signal SIGKILL)")])
+def test_failed_rank_stops_the_others(how, detail):
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        spawn(_fail_while_peer_waits, 2, how)
+    elapsed = time.monotonic() - start
+    first_line = str(info.value).splitlines()[0]
+    assert first_line.startswith(f"rank 1 of 2 {detail}"), str(info.value)
+    assert "other ranks were stopped" in first_line
+    assert elapsed < 30, f"took {elapsed:.1f} s to notice rank 1's failure"
+
+
+def test_hung_rank_is_stopped_at_the_time_limit():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"did not finish within 4 s.*raise timeout_s") as info:
+        spawn(_fail_while_peer_waits, 2, "hang", timeout_s=4)
+    assert "1" in str(info.value).splitlines()[0]
+    assert time.monotonic() - start < 30
+
+
+def _calibrate_with_dying_rank(rank, world, out):
+    """Calibration whose rank 1 dies in its first collective measurement, while rank 0 measures with it."""
+    from autotp.calibrate import run
+
+    if rank == 1:
+        def die(*args, **kwargs):
+            os._exit(5)
+        run.collective_time_s = die
+    run.calibrate(name="dying", sizes=(4096, 16384), dtypes=(torch.float32,), repeats=2, out_dir=out,
+                  progress=False)
+
+
+def test_rank_dying_during_calibration(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"^rank 1 of 2 died \(exit code 5\)"):
+        spawn(_calibrate_with_dying_rank, 2, str(tmp_path))
+    assert time.monotonic() - start < 60
+    assert not (tmp_path / "dying.json").exists()
+
+
+def test_interrupted_write_keeps_the_previous_file(tmp_path):
+    target = tmp_path / "plan.json"
+    atomic_write_text(target, "previous")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        with atomic_path(target) as tmp:
+            tmp.write_text("half of the new")
+            raise RuntimeError("interrupted")
+    assert target.read_text() == "previous"
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temporary file left behind
+    with atomic_path(target) as tmp:
+        tmp.write_text("new")
+    assert target.read_text() == "new"
