@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autotp.errors import PlanError
+from autotp.fileio import atomic_write_text
 from autotp.mesh import Mesh
 from autotp.placement import parse_layout
 
@@ -66,7 +67,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n"
 
     def save(self, path) -> None:
-        Path(path).write_text(self.to_json())
+        atomic_write_text(path, self.to_json())  # a reader never sees half a plan
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
