@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import socket
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from autotp.calibrate.measure import (COLLECTIVES, collective_time_s, launch_ove
 from autotp.calibrate.progress import Progress
 from autotp.cost.profile import PROFILE_DIR, SCHEMA_VERSION, profile_from_dict
 from autotp.errors import MeshError
+from autotp.fileio import atomic_write_text
 from autotp.mesh import Mesh
 from autotp.runtime.groups import mesh_groups
 
@@ -137,11 +137,6 @@ def _memory_bytes(device) -> int:
 
 def write_profile(profile: dict, out_dir: Path) -> Path:
     """Write ``<out_dir>/<name>.json`` atomically: an interrupted write never leaves a broken profile."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / f"{profile['name']}.json"
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{profile['name']}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(profile, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, target)
+    target = Path(out_dir) / f"{profile['name']}.json"
+    atomic_write_text(target, json.dumps(profile, indent=1) + "\n")
     return target
