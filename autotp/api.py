@@ -13,6 +13,7 @@ from autotp.cost.profile import load_profile
 from autotp.errors import MemoryLimitError
 from autotp.graph import build_opgraph
 from autotp.lower import lower
+from autotp.materialize import check_materialized, prepare_weights
 from autotp.mesh import Mesh
 from autotp.runtime.groups import mesh_groups
 from autotp.solve.assemble import assemble_plan, chosen_strategies
@@ -99,11 +100,14 @@ def _placeholder_grads(gm, args: tuple, kwargs: dict) -> dict[str, bool]:
     return {name: isinstance(leaf, torch.Tensor) and leaf.requires_grad for name, leaf in zip(names, leaves)}
 
 
-def parallelize(model, plan: Plan, rank: int | None = None, groups=None) -> torch.fx.GraphModule:
+def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, weights=None,
+                device=None) -> torch.fx.GraphModule:
     """This rank's program for ``plan``: a GraphModule with sharded parameters and collectives.
 
     Call it on every rank of an initialised process group whose size is the
     mesh's. Each rank then calls the result with the same full inputs.
+    ``weights`` (an `autotp.materialize` source) supplies this rank's shards, so
+    ``model`` may live on ``meta``; they are placed on ``device`` (default CPU).
     """
     import torch.distributed as dist
 
@@ -111,7 +115,11 @@ def parallelize(model, plan: Plan, rank: int | None = None, groups=None) -> torc
     rank = dist.get_rank() if rank is None else rank
     args, kwargs = inputs_from_specs(plan.inputs, device=_device_of(model))
     gm = capture(model, args, kwargs)
-    return lower(gm, plan, rank, groups)
+    loader = prepare_weights(gm, weights, plan.mesh.shape, device) if weights is not None else None
+    local = lower(gm, plan, rank, groups, load_shard=loader)
+    if weights is not None:
+        check_materialized(local)
+    return local
 
 
 def _device_of(model) -> torch.device:

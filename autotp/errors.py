@@ -56,3 +56,11 @@ class SolverGapWarning(UserWarning):
 
 class ModelSpecError(AutotpError, ValueError):
     """A model named on the command line (file, transformers architecture or plan) cannot be built."""
+
+
+class MaterializeError(AutotpError, ValueError):
+    """Weights to materialise a model from are missing a tensor, have another shape, or are unreadable."""
+
+
+class CheckpointError(AutotpError, ValueError):
+    """A sharded checkpoint is missing, incomplete, or was saved for another plan or mesh."""

@@ -155,10 +155,13 @@ def _use_impl(low: _Lowerer, node: fx.Node, entry, inputs) -> None:
     node.args, node.kwargs = tuple(a for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node)), {}
 
 
-def lower(gm: fx.GraphModule, plan, rank: int, groups=None) -> fx.GraphModule:
+def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, load_shard=None) -> fx.GraphModule:
     """Rewrite ``gm`` in place into the program of ``rank``; ``groups`` maps mesh axis -> process group.
 
     Without ``groups`` the result can be printed and inspected but not run.
+    ``load_shard(name, param, layout, coords)`` supplies each parameter's shard
+    (from a checkpoint, see `autotp.materialize`) instead of cutting it out of
+    the full ``param``.
     """
     check_plan_fits(gm, plan)
     coords = plan.mesh.coords(rank)
@@ -167,7 +170,9 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None) -> fx.GraphModule:
         planned = [n for n in names if n in plan.parameters]
         if not planned:
             raise PlanError(f"parameter {names[0]!r} is not in the plan: re-plan this model")
-        shard = shard_tensor(param, parse_layout(plan.parameters[planned[0]]), plan.mesh.shape, coords)
+        layout = parse_layout(plan.parameters[planned[0]])
+        shard = (load_shard(planned[0], param, layout, coords) if load_shard is not None
+                 else shard_tensor(param, layout, plan.mesh.shape, coords))
         local = torch.nn.Parameter(shard, requires_grad=param.requires_grad)
         for name in names:  # tied weights stay one parameter
             _set_param(gm, name, local)

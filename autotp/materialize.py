@@ -1,0 +1,290 @@
+"""Materialise a model straight into this rank's shards: no rank ever holds the full weights.
+
+A *weight source* maps parameter and buffer names (``model.state_dict()``
+names) to tensors on storage and reads only the part one device holds:
+
+- `StateDictSource`: a full state dict, in memory or opened with
+  ``torch.load(path, mmap=True)`` (then only the pages of this rank's shard are
+  read from the file);
+- `SafetensorsSource`: ``.safetensors`` files read by hand (an 8-byte
+  little-endian header length, a JSON header of dtype, shape and data offsets,
+  then raw little-endian data). A dim-0 shard is one contiguous read; a shard
+  of another dim is one read per contiguous run, straight into the output
+  tensor, so no full tensor is ever buffered.
+
+``autotp.parallelize(meta_model, plan, weights=source)`` captures the model on
+the ``meta`` device and takes every parameter shard from the source.
+
+Buffers. Buffers are not split, so each rank holds them whole. A buffer found
+in the source (every persistent buffer of a checkpoint) is read from it. A
+non-persistent buffer (Llama's rotary ``inv_freq``) is in no checkpoint: it is
+computed in the module's ``__init__``. Build the model under
+`empty_parameters()` and ``__init__`` computes such buffers for real while
+every parameter goes to ``meta`` unfilled; a buffer still on ``meta`` after
+that is an error naming it, never a silent zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import struct
+import sys
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autotp.errors import MaterializeError
+from autotp.placement import Shard, shard_factor, shard_index
+
+META = torch.device("meta")
+
+
+def shard_ranges(shape, layout, mesh_shape, coords) -> list[tuple[int, int]]:
+    """``[start, stop)`` per tensor dim of the piece the device at ``coords`` holds, in ``torch.chunk`` order.
+
+    ``(S(0), R)`` on a 2x2 mesh for a ``[8, 6]`` weight at coords ``(1, 0)``
+    gives ``[(4, 8), (0, 6)]``: the second half of the rows, every column.
+    """
+    ranges = [(0, size) for size in shape]
+    for dim in sorted({p.dim for p in layout if isinstance(p, Shard)}):
+        pieces, index = shard_factor(layout, dim, mesh_shape), shard_index(layout, dim, coords, mesh_shape)
+        step = -(-shape[dim] // pieces)  # torch.chunk's chunk size
+        ranges[dim] = (min(index * step, shape[dim]), min((index + 1) * step, shape[dim]))
+    return ranges
+
+
+class StateDictSource:
+    """A full state dict (possibly memory-mapped) as a weight source; reads copy only the shard."""
+
+    def __init__(self, state_dict: dict):
+        self.tensors = dict(state_dict)
+
+    def names(self) -> set[str]:
+        return set(self.tensors)
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        t = self.tensors[name]
+        return tuple(t.shape), t.dtype
+
+    def read(self, name: str, ranges) -> torch.Tensor:
+        full = self.tensors[name]
+        return full[tuple(slice(a, b) for a, b in ranges)].clone()
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_SAFETENSORS_NAMES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+
+
+def read_safetensors_header(path) -> tuple[dict, int]:
+    """The JSON header of a ``.safetensors`` file and the file offset where its data starts."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise MaterializeError(f"{path} is not a safetensors file (shorter than 8 bytes); pass the right path")
+        (length,) = struct.unpack("<Q", raw)
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MaterializeError(f"{path} has a corrupt safetensors header ({exc}); re-write the file") from None
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+class SafetensorsSource:
+    """One or more ``.safetensors`` files (or a directory of them) as a weight source, read shard by shard."""
+
+    def __init__(self, paths):
+        if sys.byteorder != "little":
+            raise MaterializeError("safetensors data is little-endian; this machine is big-endian: "
+                                   "load the file with torch and use StateDictSource")
+        paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+        files = [f for p in map(Path, paths) for f in (sorted(p.glob("*.safetensors")) if p.is_dir() else [p])]
+        if not files:
+            raise MaterializeError(f"no .safetensors files in {paths}; pass the files or their directory")
+        self.entries: dict[str, tuple[Path, int, tuple[int, ...], torch.dtype]] = {}
+        for path in files:
+            header, data_start = read_safetensors_header(path)
+            for name, info in header.items():
+                if info["dtype"] not in _SAFETENSORS_DTYPES:
+                    raise MaterializeError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which autotp does not "
+                                           f"read (supported: {', '.join(_SAFETENSORS_DTYPES)})")
+                begin = data_start + info["data_offsets"][0]
+                self.entries[name] = (path, begin, tuple(info["shape"]), _SAFETENSORS_DTYPES[info["dtype"]])
+
+    def names(self) -> set[str]:
+        return set(self.entries)
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        _, _, shape, dtype = self.entries[name]
+        return shape, dtype
+
+    def read(self, name: str, ranges) -> torch.Tensor:
+        """Read the block ``ranges`` of one tensor: one ``readinto`` per contiguous run of bytes."""
+        path, begin, shape, dtype = self.entries[name]
+        out = torch.empty([b - a for a, b in ranges], dtype=dtype)
+        if out.numel() == 0:
+            return out
+        runs = _contiguous_runs(shape, ranges, dtype.itemsize)
+        buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
+        with open(path, "rb", buffering=0) as f:
+            written = 0
+            for offset, length in runs:
+                f.seek(begin + offset)
+                if f.readinto(buffer[written:written + length]) != length:
+                    raise MaterializeError(f"{path} ends inside tensor {name!r}: the file is truncated; re-write it")
+                written += length
+        return out
+
+
+def _contiguous_runs(shape, ranges, itemsize: int) -> list[tuple[int, int]]:
+    """(byte offset, byte length) of each contiguous run of a row-major block, in order.
+
+    Trailing dims taken whole merge into the run; e.g. rows 4..8 of ``[8, 6]``
+    float32 are one run ``(96, 96)``; columns 3..6 are 8 runs of 12 bytes.
+    """
+    last = len(shape) - 1
+    while last > 0 and ranges[last] == (0, shape[last]):
+        last -= 1
+    inner = math.prod(shape[last + 1:]) * itemsize  # bytes of one step along dim `last`
+    strides = [math.prod(shape[d + 1:]) * itemsize for d in range(len(shape))]
+    start, stop = ranges[last] if shape else (0, 1)
+    runs = []
+    for outer in _index_product([range(a, b) for a, b in ranges[:last]]):
+        base = sum(i * s for i, s in zip(outer, strides))
+        runs.append((base + start * inner, (stop - start) * inner))
+    return runs
+
+
+def _index_product(ranges):
+    if not ranges:
+        yield ()
+        return
+    for i in ranges[0]:
+        for rest in _index_product(ranges[1:]):
+            yield (i, *rest)
+
+
+def save_safetensors(tensors: dict, path) -> None:
+    """Write ``tensors`` as one ``.safetensors`` file, atomically (for tests, examples and benchmarks)."""
+    from autotp.fileio import atomic_path
+
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        if t.dtype not in _SAFETENSORS_NAMES:
+            raise MaterializeError(f"tensor {name!r} has dtype {t.dtype}, which safetensors files here cannot hold")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for t in tensors.values():
+            f.write(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+
+def load_shard(source, name: str, like: torch.Tensor, layout, mesh_shape, coords, device=None) -> torch.Tensor:
+    """This device's piece of parameter ``name`` from ``source``, checked against the model's ``like``.
+
+    The dtype follows the model's parameter (as ``load_state_dict`` copies),
+    so a bfloat16 checkpoint fills a float32 model.
+    """
+    if name not in source.names():
+        raise MaterializeError(f"parameter {name!r} is not in the weights: pass a checkpoint of this model "
+                               "(its state_dict names)")
+    shape, _ = source.spec(name)
+    if tuple(shape) != tuple(like.shape):
+        raise MaterializeError(f"parameter {name!r} has shape {list(shape)} in the weights but {list(like.shape)} "
+                               "in the model: the weights belong to a different configuration")
+    piece = source.read(name, shard_ranges(shape, layout, mesh_shape, coords))
+    return piece.to(device=device or "cpu", dtype=like.dtype)
+
+
+@contextlib.contextmanager
+def empty_parameters():
+    """Build modules with every parameter on ``meta`` (unallocated) and every buffer computed for real.
+
+    Why: ``with torch.device("meta")`` would put the buffers an ``__init__``
+    computes (rotary frequencies) on ``meta`` too, and those are in no
+    checkpoint. Here each parameter is swapped for a ``meta`` one as it is
+    registered, so the initialisers that run afterwards touch no memory.
+    Example::
+
+        with autotp.materialize.empty_parameters():
+            model = LlamaForCausalLM(config)      # params on meta, inv_freq real
+    """
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None and param.device != META:
+            param = torch.nn.Parameter(param.to(META), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    torch.nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
+def retarget_device(gm: fx.GraphModule, device) -> None:
+    """Make ops captured on the ``meta`` device create their tensors on ``device`` instead.
+
+    Export records the device of factory calls (``arange``, ``to``, ...) as it
+    traced them; a model captured on ``meta`` would otherwise build ``meta``
+    tensors at run time.
+    """
+    device = torch.device(device)
+    swap = lambda a: device if isinstance(a, torch.device) and a == META else a  # noqa: E731
+    for node in gm.graph.nodes:
+        node.args, node.kwargs = pytree.tree_map(swap, (node.args, dict(node.kwargs)))
+    gm.recompile()
+
+
+def materialize_buffers(gm: fx.GraphModule, source, device) -> None:
+    """Fill every buffer of the captured ``gm``: from ``source`` when it has the name, else keep a real one.
+
+    A buffer that is neither in ``source`` nor real raises `MaterializeError`.
+    """
+    for name, buf in list(gm.named_buffers()):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = gm.get_submodule(owner_name) if owner_name else gm
+        if name in source.names():
+            shape, _ = source.spec(name)
+            value = source.read(name, [(0, s) for s in shape]).to(dtype=buf.dtype)
+        elif buf.device != META:
+            value = buf
+        else:
+            raise MaterializeError(
+                f"buffer {name!r} is on the meta device and not in the weights: build the model under "
+                "autotp.materialize.empty_parameters() so __init__ computes it, or add it to the weights")
+        owner._buffers[leaf] = value.to(device)
+    retarget_device(gm, device)
+
+
+def check_materialized(module: torch.nn.Module) -> None:
+    """Every parameter and buffer is real: a ``meta`` tensor left behind would fail later, less clearly."""
+    left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.device == META]
+    if left:
+        raise MaterializeError(f"{len(left)} tensors are still on the meta device after loading ({left[:3]}): "
+                               "pass weights that hold them")
+
+
+def prepare_weights(gm: fx.GraphModule, source, mesh_shape, device=None):
+    """Fill ``gm``'s buffers from ``source`` and return the ``load_shard`` callback `lower` takes."""
+    device = torch.device(device or "cpu")
+    materialize_buffers(gm, source, device)
+
+    def loader(name, param, layout, coords):
+        return load_shard(source, name, param, layout, mesh_shape, coords, device)
+
+    return loader

@@ -1,0 +1,157 @@
+"""Materialising from weights: sources read exactly `shard_tensor`'s pieces; a meta model runs exactly.
+
+The gloo test builds each model twice: for real on one device (the reference)
+and with its parameters on ``meta``, whose shards come from a checkpoint file
+(safetensors for Llama on 2x2, an mmap'd ``torch.save`` for the GPT on 4).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autotp
+import hf_models
+from autotp.errors import MaterializeError
+from autotp.lower import shard_tensor
+from autotp.lower.rewrite import parameter_aliases
+from autotp.materialize import (SafetensorsSource, StateDictSource, empty_parameters, load_shard,
+                                read_safetensors_header, save_safetensors, shard_ranges)
+from autotp.placement import parse_layout
+from autotp.runtime import spawn
+from autotp.runtime.verify import scaled_error
+from conftest import compute_bound_profile
+from helpers import make_model
+
+LAYOUTS = {  # mesh -> layouts, including two axes on one dim and the two axes on different dims
+    (4,): [("R",), ("S(0)",), ("S(1)",), ("S(2)",)],
+    (2, 2): [("S(0)", "R"), ("R", "S(1)"), ("S(0)", "S(0)"), ("S(1)", "S(0)"), ("S(2)", "S(1)")],
+}
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    torch.manual_seed(0)
+    tensors = {"w3": torch.randn(8, 12, 4), "bf": torch.randn(4, 8, 4).to(torch.bfloat16),
+               "ints": torch.arange(4 * 8 * 4).reshape(4, 8, 4)}
+    path = tmp_path_factory.mktemp("st") / "w.safetensors"
+    save_safetensors(tensors, path)
+    return tensors, path
+
+
+def test_sources_read_exactly_the_shards_shard_tensor_cuts(weights):
+    tensors, path = weights
+    sources = [StateDictSource(tensors), SafetensorsSource(path)]
+    for mesh_shape, layouts in LAYOUTS.items():
+        mesh = autotp.Mesh("x".join(map(str, mesh_shape)))
+        for texts in layouts:
+            layout = parse_layout(texts)
+            for rank in range(mesh.size):
+                coords = mesh.coords(rank)
+                for name, full in tensors.items():
+                    want = shard_tensor(full, layout, mesh_shape, coords)
+                    for source in sources:
+                        got = source.read(name, shard_ranges(full.shape, layout, mesh_shape, coords))
+                        where = f"{type(source).__name__} {name} {texts} rank {rank}"
+                        assert got.dtype == full.dtype and torch.equal(got, want), where
+
+
+def test_safetensors_file_is_the_standard_format(weights):
+    tensors, path = weights
+    header, data_start = read_safetensors_header(path)
+    assert data_start % 8 == 0
+    assert header["bf"] == {"dtype": "BF16", "shape": [4, 8, 4], "data_offsets": [8 * 12 * 4 * 4, 8 * 12 * 4 * 4 + 256]}
+    raw = path.read_bytes()[data_start:data_start + 8 * 12 * 4 * 4]
+    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(8, 12, 4), tensors["w3"])
+
+
+def test_bad_weights_name_the_tensor(weights):
+    tensors, _ = weights
+    source = StateDictSource(tensors)
+    with pytest.raises(MaterializeError, match="'missing' is not in the weights"):
+        load_shard(source, "missing", torch.empty(8, 12, 4, device="meta"), parse_layout(("R",)), (4,), (0,))
+    with pytest.raises(MaterializeError, match=r"'w3' has shape \[8, 12, 4\] in the weights but \[8, 12\]"):
+        load_shard(source, "w3", torch.empty(8, 12, device="meta"), parse_layout(("R",)), (4,), (0,))
+
+
+def test_empty_parameters_keeps_buffers_real_and_parameters_unallocated():
+    with empty_parameters():
+        model, _, _ = hf_models.llama()
+    assert all(p.device.type == "meta" for p in model.parameters())
+    reference, _, _ = hf_models.llama()
+    assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+    assert torch.nn.Linear(2, 2).weight.device.type == "cpu"  # the patch is gone after the block
+
+
+def _errors(local, reference, plan, rank, out, ref_out) -> dict:
+    """Output and every gradient error, this rank's slice against the single-device model."""
+    coords = plan.mesh.coords(rank)
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    grads = []
+    for names, param in parameter_aliases(local):
+        name = next(n for n in names if n in plan.parameters)
+        want = shard_tensor(ref_params[name].grad, parse_layout(plan.parameters[name]), plan.mesh.shape, coords)
+        grads.append(scaled_error(param.grad, want) if param.grad is not None else float("inf"))
+    return {"output": scaled_error(out, ref_out), "gradient": max(grads), "parameters": len(grads)}
+
+
+def _llama_from_safetensors(rank, plan, path):
+    reference, args, kwargs = hf_models.build("llama")
+    ref_loss = reference(*args, **kwargs).loss
+    ref_loss.backward()
+    with empty_parameters():
+        meta_model, _, _ = hf_models.build("llama")
+    local = autotp.parallelize(meta_model, plan, weights=SafetensorsSource(path))
+    loss = local(*args, **kwargs).loss
+    loss.backward()
+    return _errors(local, reference, plan, rank, loss, ref_loss)
+
+
+def _gpt_from_mmap(rank, plan, path):
+    reference, (idx, targets) = make_model("gpt")
+    ref_out = reference(idx, targets)
+    ref_out.sum().backward()
+    with torch.device("meta"):
+        meta_model, _ = make_model("gpt")
+    local = autotp.parallelize(meta_model, plan, weights=StateDictSource(torch.load(path, mmap=True)))
+    out = local(idx, targets)
+    out.sum().backward()
+    return _errors(local, reference, plan, rank, out, ref_out)
+
+
+def _run(rank, world, cases):
+    return [globals()[fn](rank, plan, path) for fn, plan, path in cases]
+
+
+def test_meta_model_with_weights_is_exact_on_gloo(tmp_path):
+    llama, args, kwargs = hf_models.build("llama")
+    save_safetensors(llama.state_dict(), tmp_path / "llama.safetensors")
+    llama_plan = autotp.plan(llama, autotp.Mesh("2x2"), args, kwargs, profile=compute_bound_profile())
+    gpt, inputs = make_model("gpt")
+    torch.save(gpt.state_dict(), tmp_path / "gpt.pt")
+    gpt_plan = autotp.plan(gpt, autotp.Mesh("2x2"), inputs, profile=compute_bound_profile())
+    assert any(p != ("R", "R") for p in llama_plan.parameters.values())
+    cases = [("_llama_from_safetensors", llama_plan, tmp_path / "llama.safetensors"),
+             ("_gpt_from_mmap", gpt_plan, tmp_path / "gpt.pt")]
+    for rank, results in enumerate(spawn(_run, 4, cases)):
+        for (fn, plan, _), err in zip(cases, results):
+            assert err["output"] <= 1e-5 and err["gradient"] <= 1e-5, f"{fn} rank {rank}: {err}"
+            assert err["parameters"] == len(plan.parameters), fn
+
+
+def _meta_buffer(rank, plan, path):
+    with torch.device("meta"):
+        meta_model, _, _ = hf_models.build("llama")
+    try:
+        autotp.parallelize(meta_model, plan, rank=rank, groups={}, weights=SafetensorsSource(path))
+    except MaterializeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_buffer_left_on_meta_is_an_error(tmp_path):
+    llama, args, kwargs = hf_models.build("llama")
+    save_safetensors(llama.state_dict(), tmp_path / "llama.safetensors")
+    plan = autotp.plan(llama, autotp.Mesh("1"), args, kwargs, profile=compute_bound_profile())
+    message = _meta_buffer(0, plan, tmp_path / "llama.safetensors")
+    assert "buffer 'model.rotary_emb.inv_freq' is on the meta device" in message
