@@ -100,12 +100,16 @@ def _placeholder_grads(gm, args: tuple, kwargs: dict) -> dict[str, bool]:
     return {name: isinstance(leaf, torch.Tensor) and leaf.requires_grad for name, leaf in zip(names, leaves)}
 
 
-def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, weights=None,
-                device=None) -> torch.fx.GraphModule:
+def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, batch_collectives: bool = True,
+                overlap: bool = True, counter=None, weights=None, device=None) -> torch.fx.GraphModule:
     """This rank's program for ``plan``: a GraphModule with sharded parameters and collectives.
 
     Call it on every rank of an initialised process group whose size is the
     mesh's. Each rank then calls the result with the same full inputs.
+    ``batch_collectives`` merges independent collectives of one kind and axis
+    into one, ``overlap`` starts each collective as soon as its input exists
+    and waits just before its first use (both exact; see docs/benchmarks.md).
+    ``counter`` (an `autotp.lower.collectives.CommCounter`) records every collective issued.
     ``weights`` (an `autotp.materialize` source) supplies this rank's shards, so
     ``model`` may live on ``meta``; they are placed on ``device`` (default CPU).
     """
@@ -116,7 +120,8 @@ def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, weig
     args, kwargs = inputs_from_specs(plan.inputs, device=_device_of(model))
     gm = capture(model, args, kwargs)
     loader = prepare_weights(gm, weights, plan.mesh.shape, device) if weights is not None else None
-    local = lower(gm, plan, rank, groups, load_shard=loader)
+    local = lower(gm, plan, rank, groups, batch=batch_collectives, overlap=overlap, counter=counter,
+                  load_shard=loader)
     if weights is not None:
         check_materialized(local)
     return local

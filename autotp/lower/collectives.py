@@ -7,9 +7,53 @@ GraphModule under a readable name (``all_reduce_tp``, ``all_gather_tp_d2``), so
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 from torch import nn
+
+
+@dataclass
+class CommCounter:
+    """An opt-in tally of the collectives a lowered module issues: ``parallelize(..., counter=CommCounter())``.
+
+    One record per collective call: ``(kind, mesh axis name, message bytes)``,
+    bytes as nccl-tests count them (the all-reduce buffer, the gathered output,
+    the full input of a reduce-scatter). Nothing is counted unless a counter is
+    passed in, and each lowered module counts into its own object.
+    """
+
+    calls: list[tuple[str, str, int]] = field(default_factory=list)
+
+    def record(self, kind: str, axis: str, message_bytes: int) -> None:
+        self.calls.append((kind, axis, int(message_bytes)))
+
+    @property
+    def count(self) -> int:
+        return len(self.calls)
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for _, _, b in self.calls)
+
+    def by_kind(self) -> dict[str, int]:
+        return dict(Counter(kind for kind, _, _ in self.calls))
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+
+def count(comm, kind: str, message_bytes: int) -> None:
+    """Record one collective on ``comm``'s axis when a counter was passed in."""
+    if getattr(comm, "counter", None) is not None:
+        comm.counter.record(kind, comm.name, message_bytes)
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
 
 
 def _gather(x: torch.Tensor, dim: int, group, n: int) -> torch.Tensor:
@@ -40,10 +84,12 @@ def _identity(x: torch.Tensor, comm, dim) -> torch.Tensor:
 
 
 def _all_reduce_on(x, comm, dim):
+    count(comm, "all_reduce", _nbytes(x))
     return _all_reduce(x, comm.group)
 
 
 def _gather_on(x, comm, dim):
+    count(comm, "all_gather", _nbytes(x) * comm.size)
     return _gather(x, dim, comm.group, comm.size)
 
 
@@ -52,6 +98,7 @@ def _chunk_on(x, comm, dim):
 
 
 def _reduce_scatter_on(x, comm, dim):
+    count(comm, "reduce_scatter", _nbytes(x))
     return _reduce_scatter(x, dim, comm.group, comm.size)
 
 
@@ -87,8 +134,9 @@ def all_reduce_partial(x: torch.Tensor, comm) -> torch.Tensor:
 class AxisComm:
     """One mesh axis as seen by this rank: its process group, size and this rank's index on it."""
 
-    def __init__(self, name: str, size: int, index: int, group=None):
+    def __init__(self, name: str, size: int, index: int, group=None, counter: CommCounter | None = None):
         self.name, self.size, self.index, self._group = name, size, index, group
+        self.counter = counter  # opt-in: see CommCounter
 
     @property
     def group(self):

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from autotp.errors import PlanError
 from autotp.graph.opgraph import TensorMeta, build_opgraph, meta_of, tensor_input_nodes
+from autotp.lower.batching import batch_collectives
 from autotp.lower.collectives import AxisComm, Collective
 from autotp.lower.impls import build_impl
 from autotp.lower.local_args import local_target, localize_args
@@ -155,17 +156,22 @@ def _use_impl(low: _Lowerer, node: fx.Node, entry, inputs) -> None:
     node.args, node.kwargs = tuple(a for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node)), {}
 
 
-def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, load_shard=None) -> fx.GraphModule:
+def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, batch: bool = True, overlap: bool = True,
+          counter=None, load_shard=None) -> fx.GraphModule:
     """Rewrite ``gm`` in place into the program of ``rank``; ``groups`` maps mesh axis -> process group.
 
     Without ``groups`` the result can be printed and inspected but not run.
-    ``load_shard(name, param, layout, coords)`` supplies each parameter's shard
-    (from a checkpoint, see `autotp.materialize`) instead of cutting it out of
-    the full ``param``.
+    ``batch`` merges independent collectives and ``overlap`` starts them early
+    and waits late (`autotp.lower.batching`); ``counter`` (a `CommCounter`)
+    records every collective the module issues. ``load_shard(name, param,
+    layout, coords)`` supplies each parameter's shard (from a checkpoint, see
+    `autotp.materialize`) instead of cutting it out of the full ``param``.
     """
     check_plan_fits(gm, plan)
     coords = plan.mesh.coords(rank)
     low = _Lowerer(gm, plan, coords, groups)
+    for comm in low.comms:
+        comm.counter = counter
     for names, param in parameter_aliases(gm):
         planned = [n for n in names if n in plan.parameters]
         if not planned:
@@ -187,4 +193,5 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, load_shard=None) 
                     if isinstance(a, fx.Node) and a.name in plan.nodes else a, node.args)
     gm.graph.lint()
     gm.recompile()
+    batch_collectives(gm, batch, overlap)
     return gm
