@@ -15,6 +15,8 @@ from autotp.graph import build_opgraph
 from autotp.lower import lower
 from autotp.materialize import check_materialized, prepare_weights
 from autotp.mesh import Mesh
+from autotp.progress import Stages, stages_or_silent
+from autotp.report.scopes import node_scopes
 from autotp.runtime.groups import mesh_groups
 from autotp.solve.assemble import assemble_plan, chosen_strategies
 from autotp.solve.constraints import apply_constraints
@@ -40,7 +42,8 @@ def _as_tuple(example_inputs) -> tuple:
 
 def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool = True,
          profile=DEFAULT_PROFILE, pin: dict | None = None, allow=None, registry=None,
-         time_limit_s: float | None = None, memory_limit=None, overlap_gradients: bool = False) -> Plan:
+         time_limit_s: float | None = None, memory_limit=None, overlap_gradients: bool = False,
+         progress: Stages | None = None) -> Plan:
     """Choose a placement for every parameter and op of ``model`` on ``mesh``.
 
     ``pin`` fixes parameter placements (``{"fc1.weight": ("S(0)",)}``) and lets
@@ -52,24 +55,33 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     the least any plan needs and which term dominates it.
     ``overlap_gradients=True`` lets the reduction of parameter gradients hide
     behind the backward compute, as DDP's bucketed all-reduce does (off by
-    default: see docs/cost-model.md).
+    default: see docs/cost-model.md). ``progress`` (an `autotp.progress.Stages`)
+    reports each stage and its time on stderr; by default nothing is printed.
     """
-    started = time.perf_counter()
+    started, stages = time.perf_counter(), stages_or_silent(progress)
     mesh, profile = as_mesh(mesh), load_profile(profile)
     example_inputs, example_kwargs = _as_tuple(example_inputs), dict(example_kwargs or {})
-    gm = capture(model, example_inputs, example_kwargs)
-    graph = build_opgraph(gm, _placeholder_grads(gm, example_inputs, example_kwargs))
-    strategies = enumerate_strategies(graph, mesh.shape, registry or default_registry())
-    apply_constraints(graph, strategies, pin, allow)
-    prune_unreachable(graph, strategies)
-    problem = build_problem(graph, strategies, mesh, profile, training, overlap_gradients)
+    with stages.stage("capturing") as stage:
+        gm = capture(model, example_inputs, example_kwargs)
+        graph = build_opgraph(gm, _placeholder_grads(gm, example_inputs, example_kwargs))
+        stage.detail = f"{len(graph):,} ops"
+    with stages.stage("enumerating strategies") as stage:
+        strategies = enumerate_strategies(graph, mesh.shape, registry or default_registry())
+        apply_constraints(graph, strategies, pin, allow)
+        prune_unreachable(graph, strategies)
+        stage.detail = f"{sum(len(s) for s in strategies.by_node.values()):,} strategies"
+    with stages.stage("costing"):
+        problem = build_problem(graph, strategies, mesh, profile, training, overlap_gradients)
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
-    try:
-        solution = solve(problem, time_limit_s, limit)
-    except MemoryInfeasible as exc:
-        raise memory_limit_error(graph, problem, exc.smallest, mesh, training, limit) from None
+    with stages.stage("solving ILP") as stage:
+        try:
+            solution = solve(problem, time_limit_s, limit)
+        except MemoryInfeasible as exc:
+            raise memory_limit_error(graph, problem, exc.smallest, mesh, training, limit) from None
+        stage.detail = f"{solution.variables:,} variables"
     result = assemble_plan(graph, problem, solution, mesh, profile, training,
                            example_specs(example_inputs, example_kwargs))
+    result.scopes = node_scopes(gm)
     result.stats = {"plan_s": time.perf_counter() - started, "solve_s": solution.solve_s}
     return result
 

@@ -1,18 +1,29 @@
-"""The ``autotp`` command line: ``autotp plan MODEL --mesh 4`` prints a sharding plan.
+"""The ``autotp`` command line: ``plan``, ``explain``, ``verify``, ``calibrate``.
 
-MODEL is ``path/to/file.py:factory``, where ``factory()`` returns
-``(model, example_inputs)``; build the model on the ``meta`` device to plan
-large shapes without allocating them. Bad input prints one line and exits 2.
+``autotp plan MODEL --mesh 4`` prints the plan as a report (parameters,
+collectives per layer, step time, memory, baselines); MODEL is a factory file,
+a transformers architecture or a saved plan (`autotp.model_spec`). Progress
+goes to stderr unless ``--quiet``. Bad input prints one line and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import json
 import sys
 from pathlib import Path
 
+from autotp.api import DEFAULT_PROFILE, plan
+from autotp.cost.profile import load_profile
 from autotp.errors import AutotpError
+from autotp.interop import dtensor_plan, pins_from_styles, styles_from_plan
+from autotp.mesh import Mesh
+from autotp.model_spec import ModelSpec, build, is_plan_file, parse_model
+from autotp.progress import Stages
+from autotp.report.baselines import baseline_plans
+from autotp.report.table import format_plan
+from autotp.solve.constraints import same_as
+from autotp.solve.plan import Plan
 from autotp.units import parse_bytes
 
 EXIT_USAGE = 2
@@ -22,83 +33,145 @@ class UsageError(AutotpError):
     """The command line names something that does not exist."""
 
 
-def load_factory(spec: str):
-    """``"path/to/file.py:factory"`` -> the factory function."""
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path.endswith(".py") or not name:
-        raise UsageError(f"model {spec!r} is not of the form path/to/file.py:factory")
-    file = Path(path)
-    if not file.exists():
-        raise UsageError(f"model file {path!r} does not exist")
-    module_spec = importlib.util.spec_from_file_location(file.stem, file)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.path.insert(0, str(file.parent.resolve()))
-    try:
-        module_spec.loader.exec_module(module)
-    finally:
-        sys.path.pop(0)
-    if not hasattr(module, name):
-        raise UsageError(f"{path} has no function {name!r}")
-    return getattr(module, name)
+MODEL_HELP = "path/to/file.py:factory, hf:ARCH (llama, mistral, qwen2, gpt2, bert) or a saved plan.json"
+HF_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
 
 
-def _call_factory(factory):
-    made = factory()
-    if not isinstance(made, tuple) or len(made) not in (2, 3):
-        raise UsageError("the factory must return (model, example_inputs) or (model, example_inputs, example_kwargs)")
-    model, inputs = made[0], made[1]
-    kwargs = made[2] if len(made) == 3 else None
-    return model, inputs, kwargs
+def _spec_from_args(args) -> ModelSpec:
+    overrides = {k: getattr(args, k) for k in HF_FLAGS}
+    return parse_model(args.model, overrides, args.config, args.batch, args.seq)
+
+
+def _stages(args) -> Stages:
+    return Stages(enabled=not args.quiet)
+
+
+def _saved_plan(path: str) -> Plan:
+    saved = Plan.load(path)
+    if not saved.source:
+        raise UsageError(f"{path} does not say which model it was made from (no 'source' field): "
+                         "re-plan with `autotp plan MODEL --json` to re-cost or explain it")
+    return saved
+
+
+def _recost_setup(args):
+    """A saved plan: the same model, mesh shape and placements, optionally under other links or profile."""
+    given = [f"--{k.replace('_', '-')}" for k in HF_FLAGS + ("batch", "seq", "config") if getattr(args, k)]
+    given += ["--tp-plan"] if args.tp_plan else []
+    if given:
+        raise UsageError(f"{' '.join(given)} cannot change a saved plan's model: re-plan from the model instead")
+    saved = _saved_plan(args.model)
+    if args.mesh and Mesh(args.mesh).shape != saved.mesh.shape:
+        raise UsageError(f"--mesh {args.mesh} differs from the saved plan's mesh {saved.mesh}: a plan is re-costed "
+                         "on its own mesh shape (use --links and --profile for other hardware)")
+    if args.inference and saved.training:
+        raise UsageError(f"{args.model} was planned for training: re-plan from the model with --inference")
+    mesh = Mesh(saved.mesh.shape, names=saved.mesh.names, links=args.links or saved.mesh.links)
+    return ModelSpec.from_source(saved.source), mesh, saved.training, args.profile or saved.profile, saved
 
 
 def cmd_plan(args) -> int:
-    from autotp.api import plan
-    from autotp.mesh import Mesh
-
-    mesh = Mesh(args.mesh, links=args.links)
-    model, inputs, kwargs = _call_factory(load_factory(args.model))
-    result = plan(model, mesh, inputs, kwargs, training=not args.inference, profile=args.profile,
-                  memory_limit=args.memory_limit, overlap_gradients=args.overlap_gradients)
-    print(result.summary())
+    """Plan MODEL (or re-cost a saved plan), print the report, write what was asked for."""
+    stages = _stages(args)
+    if is_plan_file(args.model):
+        spec, mesh, training, profile, saved = _recost_setup(args)
+    else:
+        if not args.mesh:
+            raise UsageError("--mesh is required unless MODEL is a saved plan.json: e.g. --mesh 4 or --mesh 2x4")
+        spec, mesh, training = _spec_from_args(args), Mesh(args.mesh, links=args.links), not args.inference
+        profile, saved = args.profile or DEFAULT_PROFILE, None
+    load_profile(profile)  # a bad name fails here, before the model is built
+    with stages.stage(f"building {spec.model}"):
+        model, inputs, kwargs = build(spec, meta=True, training=training)
+    pins = _tp_plan_pins(args.tp_plan, model, mesh) if args.tp_plan else None
+    options = dict(training=training, profile=profile, memory_limit=args.memory_limit,
+                   overlap_gradients=args.overlap_gradients)
+    result = plan(model, mesh, inputs, kwargs, pin=pins, allow=same_as(saved) if saved else None,
+                  progress=stages, **options)
+    result.source = spec.to_source()
+    baselines = None
+    if not args.no_baselines:
+        with stages.stage("costing the baselines (replicated, data-parallel, megatron)"):
+            baselines = baseline_plans(model, mesh, inputs, kwargs, **options)
+    print(format_plan(result, baselines))
     print(f"planned in {result.stats['plan_s']:.2f} s (ILP solve {result.stats['solve_s']:.2f} s)")
-    if args.json:
-        result.save(args.json)
-        print(f"plan written to {args.json}")
+    _write_outputs(args, result, model, inputs, kwargs, baselines, stages)
     return 0
 
 
-def _seeded_factory(spec: str):
-    """The factory's model and inputs, seeded so every process builds the same weights."""
-    import torch
+def _tp_plan_pins(path: str, model, mesh) -> dict:
+    """An HF-style ``{module pattern: "colwise" | "rowwise"}`` file as pins on the last mesh axis."""
+    try:
+        styles = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"cannot read --tp-plan {path}: {exc}") from None
+    if not isinstance(styles, dict) or not all(isinstance(v, str) for v in styles.values()):
+        raise UsageError(f"--tp-plan {path} must be a JSON object of module pattern -> \"colwise\" | \"rowwise\"")
+    return pins_from_styles(model, styles, mesh.ndim)
 
-    torch.manual_seed(0)
-    return _call_factory(load_factory(spec))
+
+def _write_outputs(args, result, model, inputs, kwargs, baselines, stages) -> None:
+    if args.json:
+        result.save(args.json)
+        print(f"plan written to {args.json}")
+    if args.export_tp_plan:
+        Path(args.export_tp_plan).write_text(json.dumps(styles_from_plan(result, model), indent=1, sort_keys=True)
+                                             + "\n")
+        print(f"Hugging Face tp_plan written to {args.export_tp_plan}")
+    if args.export_dtensor:
+        Path(args.export_dtensor).write_text(dtensor_source(result, model, as_python=args.export_dtensor.endswith(".py")))
+        print(f"DTensor parallelize_module plan written to {args.export_dtensor}")
+    if args.svg:
+        from autotp.report.rebuild import rebuild_graph
+        from autotp.report.svg import plan_svg
+
+        with stages.stage("drawing the op graph"):
+            Path(args.svg).write_text(plan_svg(result, rebuild_graph(model, inputs, kwargs)))
+        print(f"op graph written to {args.svg}")
+    if args.png:
+        from autotp.report.chart import baseline_chart
+
+        Path(args.png).write_bytes(baseline_chart(result, baselines or []))
+        print(f"chart written to {args.png}")
+
+
+def dtensor_source(result, model, as_python: bool) -> str:
+    """DTensor's ``parallelize_module`` plan as a Python file, or as JSON of module path -> style class name."""
+    exported = {path: type(style).__name__ for path, style in dtensor_plan(result, model).items()}
+    if not as_python:
+        return json.dumps(exported, indent=1, sort_keys=True) + "\n"
+    lines = ['"""DTensor parallelize_module plan exported by autotp; pass it to parallelize_module(model, mesh, plan)."""',
+             "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel", "", "plan = {"]
+    lines += [f"    {path!r}: {style}()," for path, style in exported.items()] + ["}", ""]
+    return "\n".join(lines)
 
 
 def _verify_on_rank(rank, world, spec, plan):
     from autotp.runtime.verify import max_errors
 
-    model, inputs, kwargs = _seeded_factory(spec)
+    model, inputs, kwargs = build(spec, meta=False)
     return max_errors(model, plan, tuple(inputs), rank, kwargs=kwargs)
 
 
 def cmd_verify(args) -> int:
     """Run the plan on N gloo processes against the single-device model; exit 1 on a mismatch."""
-    from autotp.api import plan as make_plan
-    from autotp.mesh import Mesh
     from autotp.runtime import spawn
-    from autotp.solve.plan import Plan
 
-    model, inputs, kwargs = _seeded_factory(args.model)
+    spec = _spec_from_args(args)
+    stages = _stages(args)
+    with stages.stage(f"building {spec.model}"):
+        model, inputs, kwargs = build(spec, meta=False)
     if any(p.is_meta for p in model.parameters()):
         raise UsageError("verify needs real weights, but the factory built the model on the meta device: "
                          "return a small model with real (random) weights")
     if args.plan:
-        plan = Plan.load(args.plan)
+        checked = Plan.load(args.plan)
     else:
-        plan = make_plan(model, Mesh(args.mesh, links=args.links), inputs, kwargs, profile=args.profile)
-    print(f"verifying on {plan.mesh.size} gloo processes ({plan.mesh}) ...", flush=True)
-    errors = spawn(_verify_on_rank, plan.mesh.size, args.model, plan)
+        checked = plan(model, Mesh(args.mesh, links=args.links), inputs, kwargs, profile=args.profile,
+                       progress=stages)
+    print(f"verifying on {checked.mesh.size} gloo processes ({checked.mesh}) ...", flush=True)
+    with stages.stage(f"running {checked.mesh.size} processes"):
+        errors = spawn(_verify_on_rank, checked.mesh.size, spec, checked)
     out, grad = max(e["output"] for e in errors), max(e["gradient"] for e in errors)
     ok = out <= args.tolerance and grad <= args.tolerance
     print(f"max output error {out:.2e}, max gradient error {grad:.2e} over {errors[0]['parameters']} parameters "
@@ -106,10 +179,35 @@ def cmd_verify(args) -> int:
     return 0 if ok else 1
 
 
-def _calibrate_on_rank(rank, world, mesh, name, out, sizes):
+def cmd_explain(args) -> int:
+    """Why an op (or the ops consuming a parameter) got its placement: every strategy it had, costed."""
+    from autotp.cost.profile import load_profile as load
+    from autotp.report.explain import explain_node, format_explanation, resolve
+    from autotp.report.rebuild import all_strategies, chosen_strategies, rebuild_graph
+
+    saved = _saved_plan(args.plan)
+    profile = load(args.profile or saved.profile)
+    stages = _stages(args)
+    spec = ModelSpec.from_source(saved.source)
+    with stages.stage(f"rebuilding {spec.model}"):
+        model, inputs, kwargs = build(spec, meta=True, training=saved.training)
+        graph = rebuild_graph(model, inputs, kwargs)
+        strategies = all_strategies(graph, saved.mesh)
+        chosen = chosen_strategies(graph, strategies, saved)
+    if len(chosen) != len(graph):
+        raise UsageError(f"{args.plan} does not match its model any more ({len(graph) - len(chosen)} ops differ): "
+                         "re-plan it")
+    for name in resolve(graph, saved, args.name):
+        options = explain_node(graph, strategies, chosen, name, saved.mesh, profile, saved.training)
+        print(format_explanation(graph, saved, name, options))
+        print()
+    return 0
+
+
+def _calibrate_on_rank(rank, world, mesh, name, out, sizes, progress=True):
     from autotp.calibrate import calibrate
 
-    return calibrate(mesh, name=name, out_dir=out, sizes=sizes, progress=True)["name"]
+    return calibrate(mesh, name=name, out_dir=out, sizes=sizes, progress=progress)["name"]
 
 
 def cmd_calibrate(args) -> int:
@@ -131,7 +229,8 @@ def cmd_calibrate(args) -> int:
 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         mesh = Mesh(args.mesh or str(dist.get_world_size()), links=args.links or _default_link())
-        name = _calibrate_on_rank(dist.get_rank(), dist.get_world_size(), mesh, args.name, out, sizes)
+        name = _calibrate_on_rank(dist.get_rank(), dist.get_world_size(), mesh, args.name, out, sizes,
+                                  not args.quiet)
         rank = dist.get_rank()
         dist.destroy_process_group()
         if rank != 0:
@@ -142,7 +241,7 @@ def cmd_calibrate(args) -> int:
             from autotp.errors import MeshError
 
             raise MeshError(f"--mesh {args.mesh} has {mesh.size} devices but --nproc is {args.nproc}")
-        name = spawn(_calibrate_on_rank, args.nproc, mesh, args.name, out, sizes)[0]
+        name = spawn(_calibrate_on_rank, args.nproc, mesh, args.name, out, sizes, not args.quiet)[0]
     from pathlib import Path
 
     from autotp.cost.profile import PROFILE_DIR
@@ -162,28 +261,60 @@ def _default_link() -> str:
     return "nvlink" if _has_cuda() else "loopback"
 
 
+def _add_hf_flags(p) -> None:
+    """Sizes of an hf:ARCH model (each maps to its config class's field) and of its example batch."""
+    hf = p.add_argument_group("hf:ARCH models (built from the config class, random weights, nothing downloaded)")
+    for flag, what in (("layers", "layers"), ("hidden", "hidden size"), ("heads", "attention heads"),
+                       ("kv-heads", "key/value heads (grouped-query attention)"), ("ffn", "MLP inner size"),
+                       ("vocab", "vocabulary size"), ("batch", "example batch (default 8)"),
+                       ("seq", "example sequence length (default 1024)")):
+        hf.add_argument(f"--{flag}", type=int, default=None, help=what)
+    hf.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
+                    help="any other config field, e.g. --config tie_word_embeddings=true (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autotp", description="Automatic tensor parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="plan a model on a mesh and print the plan")
-    p.add_argument("model", help="path/to/file.py:factory, where factory() returns (model, example_inputs)")
-    p.add_argument("--mesh", required=True, help="mesh shape, e.g. 4 or 2x4")
+    p = sub.add_parser("plan", help="plan a model on a mesh (or re-cost a saved plan) and print the report")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--mesh", default=None, help="mesh shape, e.g. 4 or 2x4 (required unless MODEL is a plan.json)")
     p.add_argument("--links", default=None, help="link class per axis, e.g. ethernet,nvlink (default nvlink)")
-    p.add_argument("--profile", default="h100-hgx", help="profile name in cost_models/ or a path to a JSON profile")
+    p.add_argument("--profile", default=None,
+                   help=f"profile name in cost_models/ or a path to a JSON profile (default {DEFAULT_PROFILE})")
     p.add_argument("--inference", action="store_true", help="plan the forward pass only")
     p.add_argument("--memory-limit", default=None, help="per-device memory the plan must fit, e.g. 80GB")
     p.add_argument("--overlap-gradients", action="store_true",
                    help="let parameter-gradient reductions hide behind the backward pass (as DDP does)")
+    _add_hf_flags(p)
+    p.add_argument("--tp-plan", default=None, help="cost and compile this Hugging Face-style tp_plan JSON "
+                   "(module pattern -> colwise | rowwise) instead of choosing weight splits")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="skip the replicated, data-parallel and megatron baselines (each is one more plan)")
     p.add_argument("--json", default=None, help="also write the plan to this JSON file")
+    p.add_argument("--svg", default=None, help="draw the op graph, identical layers folded, to this SVG file")
+    p.add_argument("--png", default=None, help="draw step time and memory against the baselines to this PNG file")
+    p.add_argument("--export-tp-plan", default=None, help="write the plan as a Hugging Face tp_plan JSON")
+    p.add_argument("--export-dtensor", default=None,
+                   help="write the plan as a DTensor parallelize_module plan (.py, or .json of class names)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(fn=cmd_plan)
     v = sub.add_parser("verify", help="run a plan on gloo processes and compare with the single-device model")
-    v.add_argument("model", help="path/to/file.py:factory returning a small model with real weights and inputs")
+    v.add_argument("model", help="path/to/file.py:factory returning a small model with real weights, or hf:ARCH")
     v.add_argument("--mesh", default="2", help="mesh shape when planning here (default 2)")
     v.add_argument("--links", default=None, help="link class per axis")
-    v.add_argument("--profile", default="h100-hgx", help="profile for planning here")
+    v.add_argument("--profile", default=DEFAULT_PROFILE, help="profile for planning here")
     v.add_argument("--plan", default=None, help="check this saved plan instead of planning")
     v.add_argument("--tolerance", type=float, default=1e-5, help="max scaled error allowed (default 1e-5)")
+    _add_hf_flags(v)
+    v.add_argument("--quiet", action="store_true", help="no progress on stderr")
     v.set_defaults(fn=cmd_verify)
+    e = sub.add_parser("explain", help="why an op or parameter of a saved plan got its placement")
+    e.add_argument("plan", help="a plan.json written by autotp plan --json")
+    e.add_argument("name", help="an op name from the plan's nodes, or a parameter name (its consuming ops)")
+    e.add_argument("--profile", default=None, help="cost under this profile instead of the plan's")
+    e.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    e.set_defaults(fn=cmd_explain)
     c = sub.add_parser("calibrate", help="measure this machine and write a profile to cost_models/")
     c.add_argument("--nproc", type=int, default=4, help="local processes to spawn when not under torchrun")
     c.add_argument("--mesh", default=None, help="mesh shape (default: one axis over all processes)")
@@ -192,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--name", default=None, help="profile name (default: derived from host and process count)")
     c.add_argument("--out", default=None, help="folder for the profile (default: cost_models/)")
     c.add_argument("--max-size", default="64MiB", help="largest collective message (default 64MiB)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     c.set_defaults(fn=cmd_calibrate)
     return parser
 

@@ -19,6 +19,7 @@ from autotp.errors import PlanError
 
 _LINEAR = {"colwise": ("S(0)", "S(0)"), "rowwise": ("S(1)", "R")}
 _EMBEDDING = {"colwise": ("S(1)", None), "rowwise": ("S(0)", None)}
+_CONV1D = {"colwise": ("S(1)", "S(0)"), "rowwise": ("S(0)", "R")}  # transformers' Conv1D stores (in, out)
 _HF_ALIASES = {"colwise_gather_output": "colwise", "colwise_rep": "colwise", "rowwise_rep": "rowwise",
                "local_colwise": "colwise", "local_rowwise": "rowwise", "embedding_rowwise": "rowwise"}
 
@@ -42,7 +43,7 @@ def pins_from_styles(model: nn.Module, styles: dict[str, str], mesh_ndim: int = 
     by_module = _styles_by_module(model, styles, prefix)
     pins = {}
     for path, module in model.named_modules():
-        table = _EMBEDDING if isinstance(module, nn.Embedding) else _LINEAR
+        table = _weight_table(module)
         style = by_module.get(path)
         if style is not None and style not in table:
             raise PlanError(f"style {style!r} of {path!r} is not supported: use colwise or rowwise")
@@ -54,6 +55,12 @@ def pins_from_styles(model: nn.Module, styles: dict[str, str], mesh_ndim: int = 
             pins[f"{path}.{leaf}" if path else leaf] = ("R",) * (mesh_ndim - 1) + (placement,)
     known = {n for n, _ in model.named_parameters()}
     return {k: v for k, v in pins.items() if k in known}
+
+
+def _weight_table(module: nn.Module) -> dict:
+    if isinstance(module, nn.Embedding):
+        return _EMBEDDING
+    return _CONV1D if type(module).__name__ == "Conv1D" else _LINEAR
 
 
 def hf_tp_plan_pins(model: nn.Module, mesh_ndim: int = 1) -> dict:

@@ -36,10 +36,11 @@ def factory_file(tmp_path):
 
 
 def test_plan_prints_summary_and_writes_json(factory_file, tmp_path):
-    out = run("plan", f"{factory_file}:make", "--mesh", "4", "--json", str(tmp_path / "p.json"))
+    out = run("plan", f"{factory_file}:make", "--mesh", "4", "--json", str(tmp_path / "p.json"), "--no-baselines")
     assert out.returncode == 0, out.stderr
-    assert "fc1.weight   S(0)" in out.stdout and "fc2.weight   S(1)" in out.stdout
-    assert "forward  all_reduce" in out.stdout
+    assert "fc1.weight  S(0)" in out.stdout and "fc2.weight  S(1)" in out.stdout
+    assert any(line.split()[:3] == ["fc2", "forward", "all_reduce"] for line in out.stdout.splitlines())
+    assert "capturing… " in out.stderr and "solving ILP… " in out.stderr  # progress, on stderr only
     assert (tmp_path / "p.json").exists()
 
 
@@ -52,7 +53,7 @@ def test_plan_prints_summary_and_writes_json(factory_file, tmp_path):
     (["plan", "{factory}:make", "--mesh", "4", "--memory-limit", "1MB"], "no plan fits 976.6 KiB per device"),
 ])
 def test_bad_input_is_one_line_and_exit_2(factory_file, args, message):
-    out = run(*[a.format(factory=factory_file) for a in args])
+    out = run(*[a.format(factory=factory_file) for a in args], "--quiet")  # progress lines would precede the error
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
@@ -118,8 +119,12 @@ def test_the_set_of_flags_is_pinned():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     flags = {name: sorted(o for a in p._actions for o in a.option_strings if o.startswith("--") and o != "--help")
              for name, p in sub.choices.items()}
+    hf = ["--batch", "--config", "--ffn", "--heads", "--hidden", "--kv-heads", "--layers", "--seq", "--vocab"]
     assert flags == {
-        "plan": ["--inference", "--json", "--links", "--memory-limit", "--mesh", "--overlap-gradients", "--profile"],
-        "verify": ["--links", "--mesh", "--plan", "--profile", "--tolerance"],
-        "calibrate": ["--backend", "--links", "--max-size", "--mesh", "--name", "--nproc", "--out"],
+        "plan": sorted(["--export-dtensor", "--export-tp-plan", "--inference", "--json", "--links", "--memory-limit",
+                        "--mesh", "--no-baselines", "--overlap-gradients", "--png", "--profile", "--quiet", "--svg",
+                        "--tp-plan", *hf]),
+        "verify": sorted(["--links", "--mesh", "--plan", "--profile", "--quiet", "--tolerance", *hf]),
+        "explain": ["--profile", "--quiet"],
+        "calibrate": ["--backend", "--links", "--max-size", "--mesh", "--name", "--nproc", "--out", "--quiet"],
     }

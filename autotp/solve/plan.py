@@ -16,7 +16,8 @@ from autotp.fileio import atomic_write_text
 from autotp.mesh import Mesh
 from autotp.placement import parse_layout
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3  # 3 added ``source`` (how to rebuild the model) and ``scopes``; 2 still loads
+READABLE_VERSIONS = (2, 3)
 
 
 @dataclass
@@ -51,6 +52,8 @@ class Plan:
     inputs: dict  # {"args": [spec], "kwargs": {name: spec}}: shapes and dtypes, to re-capture
     ilp: dict[str, int]
     stats: dict = field(default_factory=dict, compare=False)
+    source: dict | None = None  # how to rebuild the model, e.g. {"model": "hf:llama", "config": {...}}
+    scopes: dict[str, str] = field(default_factory=dict)  # fx node -> module path, to fold identical layers
 
     def to_dict(self) -> dict:
         return {
@@ -60,7 +63,7 @@ class Plan:
             "nodes": {k: _node_dict(n) for k, n in self.nodes.items()},
             "fallback_ops": dict(self.fallback_ops), "collectives": self.collectives,
             "predicted": {k: _round(v) for k, v in self.predicted.items()}, "memory": self.memory,
-            "inputs": self.inputs, "ilp": self.ilp,
+            "inputs": self.inputs, "ilp": self.ilp, "source": self.source, "scopes": dict(self.scopes),
         }
 
     def to_json(self) -> str:
@@ -71,8 +74,9 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        if d.get("version") != PLAN_VERSION:
-            raise PlanError(f"plan version {d.get('version')!r} is not supported (expected {PLAN_VERSION}); re-plan")
+        if d.get("version") not in READABLE_VERSIONS:
+            raise PlanError(f"plan version {d.get('version')!r} is not supported (expected one of "
+                            f"{READABLE_VERSIONS}); re-plan")
         return cls(
             mesh=Mesh.from_dict(d["mesh"]), profile=d["profile"], training=d["training"],
             parameters={k: tuple(v) for k, v in d["parameters"].items()},
@@ -80,6 +84,7 @@ class Plan:
                    for k, n in d["nodes"].items()},
             fallback_ops=dict(d["fallback_ops"]), collectives=list(d["collectives"]),
             predicted=dict(d["predicted"]), memory=dict(d["memory"]), inputs=dict(d["inputs"]), ilp=dict(d["ilp"]),
+            source=d.get("source"), scopes=dict(d.get("scopes") or {}),
         )
 
     @classmethod

@@ -1,0 +1,76 @@
+"""Progress on stderr for long work: named stages with elapsed times, and a one-line bar.
+
+Both are passed explicitly to whatever does the work (no global state). The
+API is silent unless given one; the command line passes one that writes to
+stderr unless ``--quiet``. A disabled reporter costs nothing and prints nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+
+
+class Stage:
+    """One running stage; set ``detail`` to say what it found (``"42,054 variables"``)."""
+
+    detail: str = ""
+
+
+class Stages:
+    """``with stages.stage("capturing"): ...`` prints ``capturing… 2.1 s`` on one line of stderr."""
+
+    def __init__(self, enabled: bool = True, stream=None):
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+
+    @contextmanager
+    def stage(self, name: str):
+        current, started = Stage(), time.perf_counter()
+        self._write(f"{name}… ")
+        try:
+            yield current
+        finally:
+            detail = f"{current.detail}, " if current.detail else ""
+            self._write(f"{detail}{time.perf_counter() - started:.1f} s\n")
+
+    def _write(self, text: str) -> None:
+        if self.enabled:
+            self.stream.write(text)
+            self.stream.flush()
+
+
+SILENT = Stages(enabled=False)
+
+
+def stages_or_silent(progress: Stages | None) -> Stages:
+    """The reporter to use when a caller may pass none."""
+    return progress if progress is not None else SILENT
+
+
+class Progress:
+    """``with Progress(total, enabled) as bar: bar.step("all_reduce 4 MiB")`` redraws one line on stderr."""
+
+    def __init__(self, total: int, enabled: bool = True, width: int = 30, stream=None):
+        self.total, self.enabled, self.width = max(total, 1), enabled, width
+        self.stream = stream or sys.stderr
+        self.done, self.started = 0, time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        filled = int(self.width * self.done / self.total)
+        elapsed = time.perf_counter() - self.started
+        bar = "#" * filled + "-" * (self.width - filled)
+        self.stream.write(f"\r[{bar}] {self.done}/{self.total} {elapsed:5.1f}s {label:<40.40}")
+        self.stream.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()

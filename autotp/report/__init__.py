@@ -1,0 +1,6 @@
+"""A plan as something people read: tables, baselines, explanations, SVG and PNG pictures.
+
+Everything here is a pure function over `Plan` objects (and, for the pictures
+and explanations, the op graph the plan was made from); nothing here changes
+a plan.
+"""

@@ -1,0 +1,117 @@
+"""The plan as a terminal report: parameters, collectives per layer, step time, memory, baselines.
+
+Plain text with aligned columns (no dependency). Identical layers are folded
+into one row with a ``×N`` count (`autotp.report.collapse`). Pure functions
+of `Plan` objects.
+"""
+
+from __future__ import annotations
+
+from autotp.cost.memory import TERMS
+from autotp.report.collapse import collapse
+from autotp.units import format_bytes
+
+
+def format_seconds(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s >= 1e-4 else f"{s * 1e6:.1f} us"
+
+
+def align(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
+    """Columns padded to their widest cell; the first ``left`` columns flush left, the rest flush right."""
+    cells = [header] + rows
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    fmt = lambda row: "  ".join(c.ljust(w) if i < left else c.rjust(w)  # noqa: E731
+                                for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+    return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+
+def _count(n: int) -> str:
+    return f"×{n}" if n > 1 else ""
+
+
+def parameter_lines(plan) -> list[str]:
+    rows = collapse([(fqn, tuple(layout)) for fqn, layout in plan.parameters.items()])
+    return align(["parameter", *plan.mesh.names, ""], [[r.name, *r.values, _count(r.count)] for r in rows])
+
+
+def _scope(plan, c: dict) -> str:
+    if c["node"] == "output":
+        return "output"
+    return plan.scopes.get(c["node"]) or c["node"]
+
+
+def collective_lines(plan) -> list[str]:
+    """One row per collective kind at one place of a layer, forward then backward."""
+    items = [(_scope(plan, c), (c["phase"], c["kind"], c["axis"], format_bytes(c["bytes"]), format_seconds(c["time_s"])))
+             for phase in ("forward", "backward") for c in plan.collectives if c["phase"] == phase]
+    if not items:
+        return ["  none"]
+    rows = collapse(items)
+    total = lambda phase: sum(c["time_s"] for c in plan.collectives if c["phase"] == phase)  # noqa: E731
+    lines = align(["where", "phase", "collective", "axis", "bytes", "time each", ""],
+                  [[r.name, *r.values, _count(r.count)] for r in rows], left=4)
+    return lines + [f"total: forward {format_seconds(total('forward'))}, backward {format_seconds(total('backward'))}"]
+
+
+def time_line(plan) -> str:
+    p = plan.predicted
+    hidden = f", of which {format_seconds(p['hidden_comm_s'])} hidden behind backward" if p.get("hidden_comm_s") else ""
+    return (f"predicted step time: {format_seconds(p['total_s'])} (compute {format_seconds(p['compute_s'])}, "
+            f"communication {format_seconds(p['comm_s'])}{hidden})")
+
+
+def memory_line(plan) -> str:
+    mem = plan.memory
+    return "memory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items() if v or k == "total")
+
+
+def fallback_lines(plan) -> list[str]:
+    if not plan.fallback_ops:
+        return ["fallback ops: none (every op had a strategy rule)"]
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in plan.fallback_ops.items():
+        by_reason.setdefault(reason, []).append(name)
+    lines = [f"replicated because no rule covered them ({len(plan.fallback_ops)}):"]
+    for reason, names in by_reason.items():
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        lines.append(f"  {', '.join(names[:3])}{more}: {reason}")
+    return lines
+
+
+def comparison_lines(plan, baselines) -> list[str]:
+    """The plan and each baseline side by side: step time split, and memory per device by term."""
+    columns = [("autotp", plan)] + [(b.name, b.plan) for b in baselines]
+    rows = []
+
+    def row(label, value):
+        rows.append([label] + [value(p) if p is not None else "n/a" for _, p in columns])
+
+    row("step time", lambda p: format_seconds(p.predicted["total_s"]))
+    row("  compute", lambda p: format_seconds(p.predicted["compute_s"]))
+    row("  communication", lambda p: format_seconds(p.predicted["comm_s"] - p.predicted.get("hidden_comm_s", 0.0)))
+    for term in ("total",) + TERMS:
+        if any(p is not None and p.memory.get(term) for _, p in columns):
+            row("memory " + term if term == "total" else "  " + term, lambda p, t=term: format_bytes(p.memory[t]))
+    if plan.predicted["total_s"] > 0:
+        row("speed-up vs autotp", lambda p: f"{p.predicted['total_s'] / plan.predicted['total_s']:.2f}x slower"
+            if p is not plan else "1.00x")
+    lines = align(["", *(name for name, _ in columns)], rows)
+    lines += [f"  {b.name}: n/a because {b.reason}" for b in baselines if b.plan is None]
+    return lines
+
+
+def format_plan(plan, baselines=None) -> str:
+    """The whole report; ``baselines`` (from `autotp.report.baselines`) adds the side-by-side comparison."""
+    lines = [f"autotp plan on {plan.mesh} under profile {plan.profile!r} "
+             f"({'training' if plan.training else 'inference'})", ""]
+    lines += parameter_lines(plan)
+    lines += ["", "collectives (per layer where layers are identical; 'time each' is one call):"]
+    lines += collective_lines(plan)
+    lines += ["", time_line(plan), memory_line(plan)]
+    lines.append(f"ILP: {plan.ilp['ops']} ops in {plan.ilp['groups']} groups, "
+                 f"{plan.ilp['variables']} variables, {plan.ilp['constraints']} constraints")
+    if baselines:
+        lines += ["", "against the baselines (same cost model, same pipeline):"]
+        lines += comparison_lines(plan, baselines)
+    lines += [""] + fallback_lines(plan)
+    return "\n".join(lines)
