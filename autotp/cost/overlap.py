@@ -92,3 +92,40 @@ def batched_time_s(latency_s: float, times_s: list[float]) -> float:
 def exposed_time_s(comm_s: float, window_s: float) -> float:
     """Communication left on the critical path when ``window_s`` of compute runs between start and wait."""
     return max(0.0, comm_s - max(0.0, window_s))
+
+
+def collective_savings_s(collectives: list[dict], position: dict[str, int], forward_s: list[float],
+                         backward_s: list[float], latency_s: dict[str, float], already_hidden=lambda c: False,
+                         cap_bytes: int = DEFAULT_CAP_BYTES) -> tuple[float, float]:
+    """``(batching_saved_s, overlap_hidden_s)`` for a plan's collectives, as the lowering batches and overlaps them.
+
+    ``collectives`` are `Plan.collectives` records (node, producer, input,
+    phase, kind, axis, bytes, time_s); ``position`` is each op's place in
+    program order (``"output"`` last); ``forward_s``/``backward_s`` the
+    compute at each position; ``latency_s`` the latency per axis name.
+    Records of one edge and phase form a chain (each depends on the one
+    before); backward records are batched as their forward steps are. Records
+    for which ``already_hidden`` holds (gradient reductions the ILP's
+    ``overlap_gradients`` hides) save their latency but hide nothing more.
+    """
+    items, chains = [], {}
+    for i, c in enumerate(collectives):
+        edge = (c["node"], c["input"], c["producer"], c["phase"])
+        previous = chains.get(edge)
+        chains[edge] = i
+        items.append(Item(key=(c["phase"], c["kind"], c["axis"]), nbytes=c["bytes"],
+                          ready=position[c["producer"]], needed=position[c["node"]], depends_on=previous))
+    saved = hidden = 0.0
+    for group in batch_groups(items, cap_bytes):
+        members = [collectives[i] for i in group]
+        latency = latency_s[members[0]["axis"]]
+        alone = [c["time_s"] for c in members]
+        batched = batched_time_s(latency, alone)
+        saved += sum(alone) - batched
+        compute = forward_s if members[0]["phase"] == "forward" else backward_s
+        start, end = max(it.ready for it in (items[i] for i in group)), min(items[i].needed for i in group)
+        window = sum(compute[p] for p in range(int(start) + 1, int(end)))  # compute between start and wait
+        share = sum(c["time_s"] for c in members if not already_hidden(c)) / sum(alone) if sum(alone) else 0.0
+        visible = batched * share
+        hidden += visible - exposed_time_s(visible, window)
+    return saved, hidden

@@ -156,13 +156,14 @@ def _use_impl(low: _Lowerer, node: fx.Node, entry, inputs) -> None:
     node.args, node.kwargs = tuple(a for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node)), {}
 
 
-def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, batch: bool = True, overlap: bool = True,
+def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, batch: bool = False, overlap: bool = False,
           counter=None, load_shard=None) -> fx.GraphModule:
     """Rewrite ``gm`` in place into the program of ``rank``; ``groups`` maps mesh axis -> process group.
 
     Without ``groups`` the result can be printed and inspected but not run.
     ``batch`` merges independent collectives and ``overlap`` starts them early
-    and waits late (`autotp.lower.batching`); ``counter`` (a `CommCounter`)
+    and waits late (`autotp.lower.batching`; off here so the plain rewrite can
+    be inspected, on by default in `autotp.parallelize`); ``counter`` (a `CommCounter`)
     records every collective the module issues. ``load_shard(name, param,
     layout, coords)`` supplies each parameter's shard (from a checkpoint, see
     `autotp.materialize`) instead of cutting it out of the full ``param``.

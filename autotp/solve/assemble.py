@@ -5,6 +5,7 @@ from __future__ import annotations
 from autotp.cost.comm import collective_time_s, inner_all_reduces
 from autotp.cost.compute import backward_time_s, compute_time_s
 from autotp.cost.memory import memory_by_term
+from autotp.cost.overlap import collective_savings_s
 from autotp.graph.opgraph import KIND_PARAM
 from autotp.placement import R, layout_str
 from autotp.redistribute import plan_steps
@@ -64,6 +65,20 @@ def all_collectives(graph, chosen, mesh, profile, training) -> list[dict]:
     return out
 
 
+def runtime_savings_s(graph, chosen, collectives, mesh, profile, training, gradients_hidden) -> tuple[float, float]:
+    """Seconds `parallelize`'s default batching and overlap take off the collectives (autotp/cost/overlap.py)."""
+    ops = graph.nodes()
+    position = {op.name: i for i, op in enumerate(ops)} | {"output": len(ops)}
+    backward = [backward_time_s(op, chosen[op.name], mesh, profile, training) for op in ops]
+    forward = [compute_time_s(op, chosen[op.name], mesh, profile, training) - b for op, b in zip(ops, backward)]
+    latency = {name: profile.link(link).latency_s for name, link in zip(mesh.names, mesh.links)}
+
+    def hidden_already(c) -> bool:  # counted in hidden_comm_s by overlap_gradients
+        return gradients_hidden and c["phase"] == "backward" and graph.node(c["producer"]).kind == KIND_PARAM
+
+    return collective_savings_s(collectives, position, forward, backward, latency, hidden_already)
+
+
 def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dict) -> Plan:
     chosen = chosen_strategies(problem, solution)
     collectives = all_collectives(graph, chosen, mesh, profile, training)
@@ -75,6 +90,8 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
         reductions_s = sum(c["time_s"] for c in collectives if c["phase"] == "backward"
                            and c["kind"] == "all_reduce" and graph.node(c["producer"]).kind == KIND_PARAM)
         hidden_s = min(reductions_s, backward_s)
+    batched_s, overlapped_s = runtime_savings_s(graph, chosen, collectives, mesh, profile, training,
+                                                problem.overlap_gradients)
     nodes = {op.name: NodePlan(op.op_name, layout_str(chosen[op.name].out),
                                tuple(layout_str(layout) for layout in chosen[op.name].ins), chosen[op.name].impl)
              for op in graph.nodes()}
@@ -84,7 +101,9 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
         mesh=mesh, profile=profile.name, training=training, parameters=params, nodes=nodes,
         fallback_ops=fallback, collectives=collectives,
         predicted={"compute_s": compute_s, "comm_s": comm_s, "hidden_comm_s": hidden_s,
-                   "total_s": compute_s + comm_s - hidden_s, "objective_s": solution.objective_s},
+                   "batching_saved_s": batched_s, "overlap_hidden_s": overlapped_s,
+                   "total_s": compute_s + comm_s - hidden_s - batched_s - overlapped_s,
+                   "objective_s": solution.objective_s},
         memory=memory_by_term(graph, chosen, mesh, training),
         inputs=inputs,
         ilp={"groups": len(problem.groups), "edges": len(problem.edges), "variables": solution.variables,
