@@ -82,7 +82,8 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     result = assemble_plan(graph, problem, solution, mesh, profile, training,
                            example_specs(example_inputs, example_kwargs))
     result.scopes = node_scopes(gm)
-    result.stats = {"plan_s": time.perf_counter() - started, "solve_s": solution.solve_s}
+    result.stats = {"plan_s": time.perf_counter() - started, "solve_s": solution.solve_s,
+                    "gap": solution.gap or 0.0}  # > 0 only when time_limit_s stopped the solver early
     return result
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pulp
 
 from autotp.errors import SolverError
+from autotp.solve.gap import lp_relaxation_bound, optimality_gap, warm_start_replicated, warn_gap
 from autotp.solve.problem import Problem
 
 _SCALE = 1e6  # seconds -> microseconds inside the solver
@@ -33,6 +34,7 @@ class Solution:
     constraints: int
     solve_s: float
     status: str
+    gap: float | None = None  # only when a time limit stopped the solver: (objective - bound) / objective
 
 
 def _safe(name: str) -> str:
@@ -73,18 +75,22 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None):
     if memory_limit_bytes is not None:
         lp += pulp.lpSum(memory) <= memory_limit_bytes / _BYTES, "memory_limit"
     lp += pulp.lpSum(objective if minimise == "time" else memory)
+    warm_start_replicated(problem, x)  # CBC starts from it only under a time limit (autotp.solve.gap)
     return lp, x
 
 
 def _run(lp, x, time_limit_s) -> Solution:
     start = time.perf_counter()
-    lp.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1))
+    lp.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, warmStart=time_limit_s is not None))
     elapsed = time.perf_counter() - start
     status = pulp.LpStatus[lp.status]
     if status != "Optimal":
         return Solution({}, math.inf, len(lp.variables()), len(lp.constraints), elapsed, status)
     choice = {name: next(c for c, v in xs.items() if v.value() > 0.5) for name, xs in x.items()}
-    return Solution(choice, pulp.value(lp.objective), len(lp.variables()), len(lp.constraints), elapsed, status)
+    objective, gap = pulp.value(lp.objective), None
+    if lp.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped at the time limit holding an incumbent
+        gap = optimality_gap(objective, lp_relaxation_bound(lp, time_limit_s))
+    return Solution(choice, objective, len(lp.variables()), len(lp.constraints), elapsed, status, gap)
 
 
 def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_bytes: float | None = None) -> Solution:
@@ -94,11 +100,20 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     """
     solution = _run(*_model(problem, "time", memory_limit_bytes), time_limit_s)
     if solution.status == "Infeasible" and memory_limit_bytes is not None:
-        raise MemoryInfeasible(_run(*_model(problem, "memory", None), time_limit_s))
+        smallest = _run(*_model(problem, "memory", None), None)  # no limit: the error quotes this exact minimum
+        if time_limit_s is None or smallest.objective_s * _BYTES > memory_limit_bytes:
+            raise MemoryInfeasible(smallest)
+        # a CBC stopped by its time limit can call a feasible problem infeasible: report the limit instead
+        solution = Solution({}, math.inf, solution.variables, solution.constraints, solution.solve_s, "Not Solved")
     if solution.status != "Optimal":
+        if time_limit_s is not None and solution.status == "Not Solved":
+            raise SolverError(f"the ILP solver found no plan within time_limit_s={time_limit_s:g} s: raise the "
+                              "time limit (or drop it)")
         raise SolverError(f"the ILP solver returned {solution.status!r}; try a longer time limit or fewer mesh axes")
+    if solution.gap is not None:
+        warn_gap(solution.gap, time_limit_s)
     return Solution(solution.choice, solution.objective_s / _SCALE, solution.variables, solution.constraints,
-                    solution.solve_s, solution.status)
+                    solution.solve_s, solution.status, solution.gap)
 
 
 def _pair_variables(lp, xu: dict, xv: dict, table, tag: str) -> dict:
