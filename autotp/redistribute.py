@@ -16,23 +16,41 @@ takes the input R there while splitting its work (`Strategy.grad_allreduce_axes`
 When an all-gather on that axis comes right before, its backward becomes a
 reduce-scatter (sequence parallelism's pairing); otherwise an f step is added.
 
+A sum over several axes (``(P, P) -> (R, R)`` forward, or f steps on several
+axes backward) runs one all-reduce per axis by default. `step_options` also
+offers the hierarchical form, one per choice of the *outer* axis (the slow
+one): reduce-scatter over a local dim on the other summed axes, all-reduce of
+the 1/n piece on the outer axis, all-gather back. Forward it is three ordinary
+steps, each with its own dual; backward (a gradient sum) it is one unit whose
+forward is the identity (`step_units`), since its pieces change the
+gradient's shape. Which option runs is the cost model's choice
+(`autotp.cost.reshard.cheapest_steps`); each step of a non-default form
+carries the form's tag, so the plan records the choice and the lowering
+replays it.
+
 Axes are unsharded innermost first and sharded outermost first, so a dim split
 on several axes keeps DTensor's nesting order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
-from autotp.placement import Partial, Replicate, Shard, local_bytes
+from autotp.placement import Partial, Replicate, Shard, local_bytes, local_shape
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, SLICE = "all_reduce", "all_gather", "reduce_scatter", "slice"
 GRAD_ALL_REDUCE = "grad_all_reduce"
 ALL_GATHER_RS = "all_gather_rs"  # all-gather whose incoming gradient is partial: backward reduce-scatter
+# the pieces of a hierarchical gradient sum: identity forward, one collective backward (never lowered alone)
+GRAD_REDUCE_SCATTER, GRAD_ALL_GATHER = "grad_reduce_scatter", "grad_all_gather"
+GRAD_KINDS = (GRAD_ALL_REDUCE, GRAD_REDUCE_SCATTER, GRAD_ALL_GATHER)
 _FORWARD = {ALL_REDUCE: ALL_REDUCE, ALL_GATHER: ALL_GATHER, ALL_GATHER_RS: ALL_GATHER,
-            REDUCE_SCATTER: REDUCE_SCATTER, SLICE: None, GRAD_ALL_REDUCE: None}
+            REDUCE_SCATTER: REDUCE_SCATTER, SLICE: None, GRAD_ALL_REDUCE: None,
+            GRAD_REDUCE_SCATTER: None, GRAD_ALL_GATHER: None}
 _BACKWARD = {ALL_REDUCE: None, ALL_GATHER: None, ALL_GATHER_RS: REDUCE_SCATTER, REDUCE_SCATTER: ALL_GATHER,
-             SLICE: ALL_GATHER, GRAD_ALL_REDUCE: ALL_REDUCE}
+             SLICE: ALL_GATHER, GRAD_ALL_REDUCE: ALL_REDUCE,
+             GRAD_REDUCE_SCATTER: REDUCE_SCATTER, GRAD_ALL_GATHER: ALL_GATHER}
 
 
 @dataclass(frozen=True)
@@ -40,13 +58,16 @@ class Step:
     """One collective (or local slice) on one mesh axis.
 
     ``message_bytes`` follows nccl-tests: the all-reduce buffer, the gathered
-    output of an all-gather, the full input of a reduce-scatter.
+    output of an all-gather, the full input of a reduce-scatter. ``form`` is
+    the tag of the multi-axis reduction the step belongs to (`Reduction.tag`),
+    empty for the default one-all-reduce-per-axis form.
     """
 
     kind: str
     axis: int
     dim: int | None
     message_bytes: int
+    form: str = ""
 
     @property
     def forward_kind(self) -> str | None:
@@ -61,6 +82,70 @@ class Step:
 
 class Unsupported(Exception):
     """This transition is not offered (e.g. R -> P); the planner never chooses it."""
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """The hierarchical form of a sum over ``axes``: reduce-scatter inside, all-reduce on ``outer``, all-gather.
+
+    ``dim`` is the local tensor dim the reduce-scatters cut; ``grad`` marks the
+    backward sum of a partial gradient rather than a forward ``P -> R``.
+    """
+
+    axes: tuple[int, ...]
+    outer: int
+    dim: int
+    grad: bool = False
+
+    @property
+    def tag(self) -> str:
+        """A short stable name, recorded with the plan's collectives: ``hierarchical 0+1 outer 0 dim 0``."""
+        axes = "+".join(str(a) for a in self.axes)
+        return f"{'grad ' if self.grad else ''}hierarchical {axes} outer {self.outer} dim {self.dim}"
+
+    @property
+    def inner(self) -> list[int]:
+        """The reduce-scatter axes, innermost first."""
+        return [a for a in sorted(self.axes, reverse=True) if a != self.outer]
+
+
+def hierarchical_options(axes, shape, mesh_shape, grad: bool = False) -> list[Reduction]:
+    """The hierarchical forms of a sum over ``axes`` of a local tensor of ``shape``, one per outer axis.
+
+    Offered for two or more axes of size > 1 when some local dim splits evenly
+    over the product of the inner axes (the first such dim, so dim 0 when it
+    can: a reduce-scatter over dim 0 needs no copy).
+    """
+    axes = tuple(sorted(a for a in axes if mesh_shape[a] > 1))
+    if len(axes) < 2:
+        return []
+    options = []
+    for outer in axes:
+        n = math.prod(mesh_shape[a] for a in axes if a != outer)
+        dim = next((d for d, size in enumerate(shape) if size and size % n == 0), None)
+        if dim is not None:
+            options.append(Reduction(axes, outer, dim, grad))
+    return options
+
+
+def _hierarchical_steps(r: Reduction, nbytes: int, mesh_shape) -> list[Step]:
+    """The steps of ``r`` on a local tensor of ``nbytes``, in forward order (a gradient sum runs them reversed)."""
+    down, size = [], nbytes
+    for a in r.inner:
+        down.append((a, size))
+        size //= mesh_shape[a]
+    if r.grad:  # backward runs steps last to first: reduce-scatters, all-reduce, all-gathers
+        return ([Step(GRAD_ALL_GATHER, a, r.dim, b, r.tag) for a, b in down]
+                + [Step(GRAD_ALL_REDUCE, r.outer, None, size, r.tag)]
+                + [Step(GRAD_REDUCE_SCATTER, a, r.dim, b, r.tag) for a, b in reversed(down)])
+    return ([Step(REDUCE_SCATTER, a, r.dim, b, r.tag) for a, b in down]
+            + [Step(ALL_REDUCE, r.outer, None, size, r.tag)]
+            + [Step(ALL_GATHER, a, r.dim, b, r.tag) for a, b in reversed(down)])
+
+
+def summed_axes(src, dst) -> tuple[int, ...]:
+    """Axes on which the forward sums a partial tensor into a replicated one (``P -> R``)."""
+    return tuple(a for a, (s, d) in enumerate(zip(src, dst)) if isinstance(s, Partial) and isinstance(d, Replicate))
 
 
 def _dims_split(layout, dim):
@@ -84,28 +169,74 @@ def _axes_to_clear(src, dst) -> set[int]:
     return clear
 
 
-def plan_steps(src, dst, meta, mesh_shape, grad_axes=()) -> list[Step]:
+def plan_steps(src, dst, meta, mesh_shape, grad_axes=(), reduction: Reduction | None = None,
+               grad_reduction: Reduction | None = None) -> list[Step]:
     """The steps that turn layout ``src`` into ``dst`` for a tensor of ``meta``.
 
     ``grad_axes`` are the axes on which the consumer hands back a partial
     gradient; each is served by the last all-gather on that axis or by an f step.
+    ``reduction`` runs the forward sum (`summed_axes`) in hierarchical form,
+    first; ``grad_reduction`` does the same for the f steps. Both must be among
+    `step_options`' forms; None is one all-reduce per axis.
     """
-    steps = _layout_steps(src, dst, meta, mesh_shape)
+    steps = _layout_steps(src, dst, meta, mesh_shape, reduction)
+    steps, rest = _serve_grad_axes(steps, grad_axes)
+    nbytes = local_bytes(meta, dst, mesh_shape)
+    if grad_reduction is None:
+        return steps + [Step(GRAD_ALL_REDUCE, axis, None, nbytes) for axis in rest]
+    if grad_reduction not in hierarchical_options(rest, local_shape(meta.shape, dst, mesh_shape), mesh_shape, True):
+        raise Unsupported(f"{grad_reduction.tag} is not a form of the gradient sum over axes {rest}")
+    return steps + _hierarchical_steps(grad_reduction, nbytes, mesh_shape)
+
+
+def step_options(src, dst, meta, mesh_shape, grad_axes=()) -> list[list[Step]]:
+    """Every way `plan_steps` offers to turn ``src`` into ``dst``, one all-reduce per axis first."""
+    shape = local_shape(meta.shape, src, mesh_shape)
+    options = []
+    for reduction in [None] + hierarchical_options(summed_axes(src, dst), shape, mesh_shape):
+        steps = _layout_steps(src, dst, meta, mesh_shape, reduction)
+        _, rest = _serve_grad_axes(steps, grad_axes)
+        grads = hierarchical_options(rest, local_shape(meta.shape, dst, mesh_shape), mesh_shape, grad=True)
+        options += [plan_steps(src, dst, meta, mesh_shape, grad_axes, reduction, g) for g in [None] + grads]
+    return options
+
+
+def step_units(steps) -> list[list[Step]]:
+    """The steps grouped as the lowering runs them: one module per step, one per hierarchical gradient sum."""
+    units = []
+    for s in steps:
+        if s.form and s.kind in GRAD_KINDS and units and units[-1][-1].form == s.form:
+            units[-1].append(s)
+        else:
+            units.append([s])
+    return units
+
+
+def _serve_grad_axes(steps, grad_axes) -> tuple[list[Step], list[int]]:
+    """Turn the last all-gather on each gradient axis into an all-gather/reduce-scatter pair; the rest need f."""
+    steps, rest = list(steps), []
     for axis in grad_axes:
         last = [i for i, s in enumerate(steps) if s.axis == axis]
         if last and steps[last[-1]].kind == ALL_GATHER:
-            s = steps[last[-1]]
-            steps[last[-1]] = Step(ALL_GATHER_RS, s.axis, s.dim, s.message_bytes)
+            steps[last[-1]] = replace(steps[last[-1]], kind=ALL_GATHER_RS)
         else:
-            steps.append(Step(GRAD_ALL_REDUCE, axis, None, local_bytes(meta, dst, mesh_shape)))
-    return steps
+            rest.append(axis)
+    return steps, rest
 
 
-def _layout_steps(src, dst, meta, mesh_shape) -> list[Step]:
+def _layout_steps(src, dst, meta, mesh_shape, reduction: Reduction | None = None) -> list[Step]:
     if any(isinstance(d, Partial) and not isinstance(s, Partial) for s, d in zip(src, dst)):
         raise Unsupported(f"cannot produce a partial sum from {src}")
-    cur, steps = list(src), []
-    for a in sorted(_axes_to_clear(src, dst), reverse=True):
+    cur, steps, done = list(src), [], set()
+    if reduction is not None:  # the sum first, while every local piece is whole
+        shape = local_shape(meta.shape, src, mesh_shape)
+        if reduction not in hierarchical_options(summed_axes(src, dst), shape, mesh_shape):
+            raise Unsupported(f"{reduction.tag} is not a form of the sum from {src} to {dst}")
+        steps = _hierarchical_steps(reduction, local_bytes(meta, src, mesh_shape), mesh_shape)
+        for a in reduction.axes:
+            cur[a] = Replicate()
+        done = set(reduction.axes)
+    for a in sorted(_axes_to_clear(src, dst) - done, reverse=True):
         n = mesh_shape[a]
         piece_bytes = local_bytes(meta, cur, mesh_shape)
         if isinstance(cur[a], Shard):
@@ -124,3 +255,15 @@ def _layout_steps(src, dst, meta, mesh_shape) -> list[Step]:
             steps.append(Step(SLICE, a, dst[a].dim, local_bytes(meta, cur, mesh_shape)))
             cur[a] = dst[a]
     return steps
+
+
+def replay_steps(src, dst, meta, mesh_shape, grad_axes=(), forms=frozenset()) -> list[Step]:
+    """The option of `step_options` whose hierarchical forms are exactly ``forms`` (the tags a plan recorded).
+
+    This is how the lowering runs the form the cost model chose without
+    knowing the profile. Raises `Unsupported` when no option matches.
+    """
+    for steps in step_options(src, dst, meta, mesh_shape, grad_axes):
+        if {s.form for s in steps if s.form} == set(forms):
+            return steps
+    raise Unsupported(f"no redistribution from {src} to {dst} has the forms {sorted(forms)}")

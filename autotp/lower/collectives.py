@@ -110,6 +110,9 @@ DUALS = {
     "all_gather_rs": (_gather_on, _reduce_scatter_on),  # S(d) -> R; the gradient arriving is partial
     "reduce_scatter": (_reduce_scatter_on, _gather_on),  # P -> S(d)
     "slice": (_chunk_on, _gather_on),  # R -> S(d)
+    # pieces of a hierarchical gradient sum, run only inside a CollectiveChain (they change the gradient's shape)
+    "grad_reduce_scatter": (_identity, _reduce_scatter_on),
+    "grad_all_gather": (_identity, _gather_on),
 }
 
 
@@ -159,3 +162,40 @@ class Collective(nn.Module):
     def extra_repr(self) -> str:
         dim = f", dim={self.dim}" if self.dim is not None else ""
         return f"{self.kind} on {self.comm.name} ({self.comm.size} ranks){dim}"
+
+
+class _ChainFn(torch.autograd.Function):
+    """Several collectives as one autograd node: forwards in order, duals in reverse order.
+
+    Needed where the pieces are not shape-preserving on their own: a gradient
+    sum in hierarchical form is the identity forward and, backward, a
+    reduce-scatter, an all-reduce of the piece and an all-gather.
+    """
+
+    @staticmethod
+    def forward(ctx, x, links):
+        ctx.links = links
+        for kind, comm, dim in links:
+            x = DUALS[kind][0](x, comm, dim)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        for kind, comm, dim in reversed(ctx.links):
+            grad = DUALS[kind][1](grad, comm, dim)
+        return grad, None
+
+
+class CollectiveChain(nn.Module):
+    """Collectives on several mesh axes run as one unit (``links``: ``(kind, comm, dim)`` in forward order)."""
+
+    def __init__(self, links):
+        super().__init__()
+        self.links = tuple(links)
+
+    def forward(self, x):
+        return _ChainFn.apply(x, self.links)
+
+    def extra_repr(self) -> str:
+        return "; ".join(f"{kind} on {comm.name}" + (f" dim={dim}" if dim is not None else "")
+                         for kind, comm, dim in self.links)

@@ -23,11 +23,11 @@ from torch.utils import _pytree as pytree
 from autotp.errors import PlanError
 from autotp.graph.opgraph import TensorMeta, build_opgraph, meta_of, tensor_input_nodes
 from autotp.lower.batching import batch_collectives
-from autotp.lower.collectives import AxisComm, Collective
+from autotp.lower.collectives import AxisComm, Collective, CollectiveChain
 from autotp.lower.impls import build_impl
 from autotp.lower.local_args import local_target, localize_args
 from autotp.placement import R, Shard, local_shape, parse_layout, shard_factor, shard_index
-from autotp.redistribute import plan_steps
+from autotp.redistribute import Unsupported, replay_steps, step_units
 from autotp.strategies.base import Strategy
 
 
@@ -61,6 +61,10 @@ class _Lowerer:
                       for a, (name, size) in enumerate(zip(self.mesh.names, self.mesh.shape))]
         self.modules: dict[tuple, str] = {}
         self.shared: dict[tuple, fx.Node] = {}
+        self.forms: dict[tuple, set] = {}  # (consumer, input, producer) -> hierarchical forms the plan chose
+        for c in plan.collectives:
+            if c.get("form"):
+                self.forms.setdefault((c["node"], c["input"], c["producer"]), set()).add(c["form"])
 
     def collective(self, kind: str, axis: int, dim) -> str:
         key = (kind, axis, dim)
@@ -70,20 +74,38 @@ class _Lowerer:
             self.modules[key] = name
         return self.modules[key]
 
-    def redistribute(self, node: fx.Node, src, dst, grad_axes=()) -> fx.Node:
+    def chain(self, unit) -> str:
+        """The module of a hierarchical gradient sum, e.g. ``grad_hierarchical_dp_tp_d0`` (outer axis first)."""
+        key = tuple((s.kind, s.axis, s.dim) for s in unit)
+        if key not in self.modules:
+            axes = dict.fromkeys(self.mesh.names[s.axis] for s in sorted(unit, key=lambda s: s.dim is not None))
+            name = f"grad_hierarchical_{'_'.join(axes)}_d{unit[0].dim}"
+            self.gm.add_submodule(name, CollectiveChain([(s.kind, self.comms[s.axis], s.dim) for s in unit]))
+            self.modules[key] = name
+        return self.modules[key]
+
+    def redistribute(self, node: fx.Node, src, dst, grad_axes=(), consumer=("output", 0)) -> fx.Node:
         """Insert the steps from ``src`` to ``dst`` (and the gradient all-reduces) before the current point.
 
         Consumers that need the same tensor in the same layout share one copy:
         one all-gather forward, and one reduction of their summed partial gradients.
+        A sum over several axes takes the form the plan recorded for this
+        edge (``consumer`` is the consuming node and input index).
         """
         meta = meta_of(node.meta["val"])
         grad_axes = tuple(a for a in grad_axes if self.mesh.shape[a] > 1) if meta.is_float else ()
         key = (node.name, tuple(src), tuple(dst), grad_axes)
         if key not in self.shared:
+            forms = self.forms.get((*consumer, node.name), set())
+            try:
+                steps = replay_steps(src, dst, meta, self.mesh.shape, grad_axes, forms)
+            except Unsupported as exc:
+                raise PlanError(f"the plan's collectives for {node.name!r} -> {consumer[0]!r} do not fit this "
+                                f"model ({exc}): the plan was edited or made for another model; re-plan") from None
             out = node
-            for step in plan_steps(src, dst, meta, self.mesh.shape, grad_axes):
-                if self.mesh.shape[step.axis] > 1:
-                    out = self._call(self.collective(step.kind, step.axis, step.dim), out)
+            for unit in step_units([s for s in steps if self.mesh.shape[s.axis] > 1]):
+                s = unit[0]
+                out = self._call(self.collective(s.kind, s.axis, s.dim) if len(unit) == 1 else self.chain(unit), out)
             self.shared[key] = out
         return self.shared[key]
 
@@ -113,7 +135,7 @@ def _rewrite_inputs(low: _Lowerer, node: fx.Node, entry) -> None:
     with low.gm.graph.inserting_before(node):
         for i, inp in enumerate(inputs):
             src = low.plan.nodes[inp.name].out_layout()
-            replaced[i] = low.redistribute(inp, src, layouts[i], strategy.grad_allreduce_axes(i))
+            replaced[i] = low.redistribute(inp, src, layouts[i], strategy.grad_allreduce_axes(i), (node.name, i))
     counter = iter(range(len(inputs)))
 
     def swap(a):

@@ -6,9 +6,9 @@ from autotp.cost.comm import collective_time_s, inner_all_reduces
 from autotp.cost.compute import backward_time_s, compute_time_s
 from autotp.cost.memory import memory_by_term
 from autotp.cost.overlap import collective_savings_s
+from autotp.cost.reshard import cheapest_steps
 from autotp.graph.opgraph import KIND_PARAM
 from autotp.placement import R, layout_str
-from autotp.redistribute import plan_steps
 from autotp.solve.plan import NodePlan, Plan, _round
 
 
@@ -16,21 +16,24 @@ def chosen_strategies(problem, solution) -> dict:
     return {node: problem.strategy(node, solution.choice[group]) for node, group in problem.group_of.items()}
 
 
-def _record(mesh, profile, node, producer, index, phase, kind, axis, nbytes) -> dict:
-    return {"node": node, "input": index, "producer": producer, "phase": phase, "kind": kind,
-            "axis": mesh.names[axis], "bytes": int(nbytes),
-            "time_s": _round(collective_time_s(kind, axis, nbytes, mesh, profile))}
+def _record(mesh, profile, node, producer, index, phase, kind, axis, nbytes, form="") -> dict:
+    record = {"node": node, "input": index, "producer": producer, "phase": phase, "kind": kind,
+              "axis": mesh.names[axis], "bytes": int(nbytes),
+              "time_s": _round(collective_time_s(kind, axis, nbytes, mesh, profile))}
+    if form:  # a multi-axis sum in hierarchical form: the lowering replays the same choice
+        record["form"] = form
+    return record
 
 
 def edge_collectives(mesh, profile, training, node, producer, index, src, dst, meta, grad, grad_axes) -> list[dict]:
     """Every collective one edge runs, forward and (when training) backward, in execution order."""
     grad = training and grad
-    steps = [s for s in plan_steps(src, dst, meta, mesh.shape, grad_axes if grad else ()) if mesh.shape[s.axis] > 1]
-    out = [_record(mesh, profile, node, producer, index, "forward", s.forward_kind, s.axis, s.message_bytes)
+    steps = [s for s in cheapest_steps(src, dst, meta, mesh, profile, grad, grad_axes) if mesh.shape[s.axis] > 1]
+    out = [_record(mesh, profile, node, producer, index, "forward", s.forward_kind, s.axis, s.message_bytes, s.form)
            for s in steps if s.forward_kind]
     if grad:
-        out += [_record(mesh, profile, node, producer, index, "backward", s.backward_kind, s.axis, s.message_bytes)
-                for s in reversed(steps) if s.backward_kind]
+        out += [_record(mesh, profile, node, producer, index, "backward", s.backward_kind, s.axis, s.message_bytes,
+                        s.form) for s in reversed(steps) if s.backward_kind]
     return out
 
 
@@ -88,7 +91,8 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
     if problem.overlap_gradients:  # parameter-gradient reductions hide behind the backward compute
         backward_s = sum(backward_time_s(op, chosen[op.name], mesh, profile, training) for op in graph.nodes())
         reductions_s = sum(c["time_s"] for c in collectives if c["phase"] == "backward"
-                           and c["kind"] == "all_reduce" and graph.node(c["producer"]).kind == KIND_PARAM)
+                           and (c["kind"] == "all_reduce" or c.get("form", "").startswith("grad "))
+                           and graph.node(c["producer"]).kind == KIND_PARAM)
         hidden_s = min(reductions_s, backward_s)
     batched_s, overlapped_s = runtime_savings_s(graph, chosen, collectives, mesh, profile, training,
                                                 problem.overlap_gradients)

@@ -1,0 +1,155 @@
+"""Multi-axis sums: hierarchical all-reduce chosen by cost, and exact when lowered on a 2x2 gloo mesh.
+
+The choice is checked against costs computed here from the profile's own
+formula (``latency + factor * bytes / busbw(collective, bytes)`` per axis),
+not against hard-coded numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autotp
+from autotp.capture import capture
+from autotp.cost.profile import load_profile
+from autotp.cost.reshard import cheapest_steps, edge_times_s
+from autotp.graph.opgraph import KIND_PARAM, TensorMeta
+from autotp.lower.rewrite import lower
+from autotp.placement import P, R, Shard
+from autotp.runtime import spawn
+from autotp.runtime.verify import max_errors
+from conftest import COLLECTIVES, compute_bound_profile
+from models import MLP
+
+GIB = 2**30
+MESH = autotp.Mesh((4, 8), names=("dp", "tp"), links=("ethernet", "nvlink"))
+TOLERANCE = 1e-5
+
+
+def _time(profile, link: str, kind: str, n: int, nbytes: float) -> float:
+    """One collective on n devices, written out from docs/cost-model.md."""
+    curve = profile.link(link)
+    factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+    return curve.latency_s + factor * nbytes / curve.busbw(kind, nbytes)
+
+
+def _per_axis_s(profile, nbytes: float) -> float:
+    return _time(profile, "nvlink", "all_reduce", 8, nbytes) + _time(profile, "ethernet", "all_reduce", 4, nbytes)
+
+
+def _hierarchical_s(profile, nbytes: float) -> float:
+    """Reduce-scatter on the 8 NVLink devices, all-reduce of 1/8 over Ethernet, all-gather back."""
+    return (_time(profile, "nvlink", "reduce_scatter", 8, nbytes) + _time(profile, "ethernet", "all_reduce", 4, nbytes / 8)
+            + _time(profile, "nvlink", "all_gather", 8, nbytes))
+
+
+def _kinds(steps):
+    return [(s.kind, s.axis) for s in steps]
+
+
+def test_hierarchical_sum_is_chosen_for_a_large_tensor_on_ethernet_and_nvlink():
+    profile = load_profile("ethernet-2node")
+    meta = TensorMeta((GIB // 4,), torch.float32)
+    steps = cheapest_steps((P, P), (R, R), meta, MESH, profile, grad=False)
+    assert _kinds(steps) == [("reduce_scatter", 1), ("all_reduce", 0), ("all_gather", 1)]
+    assert [s.message_bytes for s in steps] == [GIB, GIB // 8, GIB]
+    exposed, _ = edge_times_s((P, P), (R, R), meta, MESH, profile, training=False, requires_grad=False)
+    assert exposed == pytest.approx(_hierarchical_s(profile, GIB), rel=1e-12)
+    assert exposed < _per_axis_s(profile, GIB)
+
+
+def test_per_axis_sum_is_kept_for_a_tiny_tensor_where_latency_dominates():
+    profile = load_profile("ethernet-2node")
+    meta = TensorMeta((16,), torch.float32)
+    steps = cheapest_steps((P, P), (R, R), meta, MESH, profile, grad=False)
+    assert _kinds(steps) == [("all_reduce", 1), ("all_reduce", 0)]
+    assert _per_axis_s(profile, 64) < _hierarchical_s(profile, 64)
+    exposed, _ = edge_times_s((P, P), (R, R), meta, MESH, profile, training=False, requires_grad=False)
+    assert exposed == pytest.approx(_per_axis_s(profile, 64), rel=1e-12)
+
+
+def test_gradient_sum_over_both_axes_goes_hierarchical_and_stays_overlappable():
+    profile = load_profile("ethernet-2node")
+    meta = TensorMeta((GIB // 4,), torch.float32)
+    steps = cheapest_steps((R, R), (R, R), meta, MESH, profile, grad=True, grad_axes=(0, 1))
+    assert [s.forward_kind for s in steps] == [None, None, None]
+    backward = [(s.backward_kind, s.axis) for s in reversed(steps)]
+    assert backward == [("reduce_scatter", 1), ("all_reduce", 0), ("all_gather", 1)]
+    exposed, overlap = edge_times_s((R, R), (R, R), meta, MESH, profile, True, True, (0, 1), from_parameter=True)
+    assert exposed == 0.0 and overlap == pytest.approx(_hierarchical_s(profile, GIB), rel=1e-12)
+
+
+# ---- exact on a 2x2 gloo mesh -------------------------------------------------------------------
+
+
+def _slow_outer_profile() -> dict:
+    """Bandwidth-bound links: Ethernet a million times slower than NVLink, latency negligible."""
+    profile = compute_bound_profile()
+    for link, busbw in (("ethernet", 1e6), ("nvlink", 1e12)):
+        profile["links"][link] = {"latency_s": 1e-12, "busbw_Bps": {c: [[1, busbw], [1e12, busbw]] for c in COLLECTIVES},
+                                  "source": "test"}
+    return profile
+
+
+def _model():
+    torch.manual_seed(0)
+    return MLP(16, 32, bias=False), (torch.randn(8, 16),)
+
+
+def _batch_on_both_axes(op, strategy) -> bool:
+    """Pure data parallelism on both axes: weights whole, every activation split by batch on dp and tp."""
+    if op.kind == KIND_PARAM:
+        return strategy.is_replicated
+    return strategy.out == (Shard(0), Shard(0))
+
+
+def _plans(mesh):
+    model, inputs = _model()
+    profile = _slow_outer_profile()
+    # weights split on both axes over the contraction dim: the output is a partial sum on dp and tp
+    row = autotp.plan(model, mesh, inputs, profile=profile,
+                      pin={"fc1.weight": ("S(0)", "S(0)"), "fc2.weight": ("S(1)", "S(1)")})
+    dp = autotp.plan(model, mesh, inputs, profile=profile, allow=_batch_on_both_axes)
+    return {"partial_on_both_axes": row, "data_parallel_2d": dp}
+
+
+def _run(rank, world, plans):
+    results = {}
+    for name, plan in plans.items():
+        model, inputs = _model()
+        results[name] = max_errors(model, plan, inputs, rank)
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_by_two():
+    mesh = autotp.Mesh((2, 2), names=("dp", "tp"), links=("ethernet", "nvlink"))
+    plans = _plans(mesh)
+    return plans, spawn(_run, mesh.size, plans)
+
+
+def test_plans_use_the_hierarchical_form_and_the_lowered_code_runs_it(two_by_two):
+    plans, _ = two_by_two
+    row, dp = plans["partial_on_both_axes"], plans["data_parallel_2d"]
+    forward = [(c["kind"], c["axis"]) for c in row.collectives if c.get("form") and c["phase"] == "forward"]
+    assert forward == [("reduce_scatter", "tp"), ("all_reduce", "dp"), ("all_gather", "tp")]
+    grads = [c for c in dp.collectives if c.get("form", "").startswith("grad ")]
+    assert {c["producer"] for c in grads} == {"fc1_weight", "fc2_weight"}
+    model, inputs = _model()
+    code = lower(capture(model, inputs, {}), row, 0).code
+    assert "reduce_scatter_tp" in code and "all_reduce_dp" in code and "all_gather_tp" in code
+    gm = lower(capture(*_model(), {}), dp, 0)
+    assert "grad_hierarchical_dp_tp_d0" in gm.code
+    links = [(kind, comm.name) for kind, comm, _ in gm.grad_hierarchical_dp_tp_d0.links]
+    assert links == [("grad_all_gather", "tp"), ("grad_all_reduce", "dp"), ("grad_reduce_scatter", "tp")]
+
+
+def test_hierarchical_sums_are_exact_in_forward_and_backward(two_by_two):
+    _, per_rank = two_by_two
+    for rank, results in enumerate(per_rank):
+        for name, errors in results.items():
+            where = f"{name} on 2x2, rank {rank}"
+            assert errors["output"] <= TOLERANCE, f"{where}: output error {errors['output']:.2e}"
+            assert errors["gradient"] <= TOLERANCE, f"{where}: gradient error {errors['gradient']:.2e}"
+            assert errors["parameters"] == 2, where
