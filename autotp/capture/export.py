@@ -9,14 +9,20 @@ the lowering rewrites.
 
 from __future__ import annotations
 
+import inspect
 import traceback
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from autotp.capture.hf import capture_settings
 from autotp.capture.normalize import normalize
-from autotp.errors import CaptureError
+from autotp.dtypes import check_dtype, dtype_name, parse_dtype
+from autotp.errors import CaptureError, InputError
+
+# words in an error raised while tracing that say the inputs' shapes do not fit the model
+_SHAPE_WORDS = ("shape", "size of tensor", "reduction dim", "dimension", "must match the size")
 
 
 def _describe_export_failure(exc: Exception) -> str:
@@ -28,6 +34,74 @@ def _describe_export_failure(exc: Exception) -> str:
     return f"{type(exc).__name__}: {first}{where}"
 
 
+def _describe_inputs(args: tuple, kwargs: dict) -> str:
+    """``float32[8, 17], mask=bool[8]``: what the example inputs were, for a mismatch message."""
+    def one(v):
+        return f"{dtype_name(v.dtype)}{list(v.shape)}" if isinstance(v, torch.Tensor) else repr(v)
+    return ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]) or "none"
+
+
+def _export_error(model, exc: Exception, args: tuple, kwargs: dict) -> CaptureError:
+    """`InputError` when the inputs' shapes do not fit the model, else `CaptureError` with the fix for its kind."""
+    name, what = type(model).__name__, _describe_export_failure(exc)
+    message = str(exc).lower()
+    if isinstance(exc, (RuntimeError, ValueError, IndexError)) and any(w in message for w in _SHAPE_WORDS) \
+            and "data-dependent" not in message:
+        return InputError(f"example inputs ({_describe_inputs(args, kwargs)}) do not fit {name}: {what}. "
+                          "Pass inputs of the shapes and dtypes forward() expects")
+    if "data-dependent" in message or "guard" in message:
+        fix = ("control flow on a tensor's value cannot be captured: compute both branches and pick with "
+               "torch.where, or use torch.cond, on that line")
+    else:
+        fix = ("torch.export traces forward() with fake tensors: replace that line's non-torch call "
+               "(.numpy(), .tolist(), Python I/O) with torch ops")
+    return CaptureError(f"torch.export could not capture {name}: {what}. Fix: {fix}")
+
+
+def check_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Refuse inputs that do not bind to ``forward``'s signature, and unsupported dtypes, before tracing."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a builtin or C++ forward: nothing to check against
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise InputError(f"example inputs ({_describe_inputs(args, kwargs)}) do not match "
+                             f"{type(model).__name__}.forward{signature}: {exc}; pass one example per "
+                             "argument of forward()") from None
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        check_dtype(tensor.dtype, f"{type(model).__name__}'s {name!r}")
+    named = [(f"example input #{i}", a) for i, a in enumerate(args)] + [(f"example input {k!r}", v)
+                                                                        for k, v in kwargs.items()]
+    for what, value in named:
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor):
+                check_dtype(leaf.dtype, what)
+
+
+def _source_line(node: fx.Node) -> str:
+    """`` at file.py:12 (code)`` from the node's stack trace, or nothing."""
+    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").strip().splitlines()]
+    where = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
+    if not where:
+        return ""
+    i = where[-1]
+    code = lines[i + 1] if i + 1 < len(lines) else ""
+    return f" at {lines[i].removeprefix('File ').split(', in ')[0]}" + (f" ({code})" if code else "")
+
+
+def check_graph_dtypes(gm: fx.GraphModule) -> None:
+    """Refuse an op inside the model that makes an unsupported dtype (e.g. ``view_as_complex``)."""
+    for node in gm.graph.nodes:
+        for value in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(value, torch.Tensor):
+                check_dtype(value.dtype, f"op {node.target} (node {node.name!r}){_source_line(node)}",
+                            "rewrite that line with real tensors (rotary embeddings with cos and sin, as "
+                            "Hugging Face's Llama does)")
+
+
 def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> fx.GraphModule:
     """Export ``model`` at ATen level and return its normalized, trainable GraphModule.
 
@@ -37,15 +111,13 @@ def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> f
     example_kwargs = dict(example_kwargs or {})
     if not isinstance(example_inputs, tuple):
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
+    check_inputs(model, example_inputs, example_kwargs)
     try:
         with capture_settings(model):
             program = torch.export.export(model, example_inputs, example_kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - any export failure becomes one clear error
-        raise CaptureError(
-            f"torch.export could not capture {type(model).__name__}: {_describe_export_failure(exc)}. "
-            "Check that example_inputs match forward()'s signature, or remove the data-dependent "
-            "control flow on that line."
-        ) from exc
+        raise _export_error(model, exc, example_inputs, example_kwargs) from exc
+    check_graph_dtypes(program.graph_module)
     gm = program.module()
     _drop_guards(gm)
     merge_tied_parameters(gm, {id(p): name for name, p in model.named_parameters()})
@@ -108,7 +180,7 @@ def example_specs(example_inputs, example_kwargs=None) -> dict:
 def _value(spec, device):
     if "value" in spec:
         return spec["value"]
-    return torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=device)
+    return torch.zeros(spec["shape"], dtype=parse_dtype(spec["dtype"], "the plan's example inputs"), device=device)
 
 
 def inputs_from_specs(specs: dict, device="meta") -> tuple[tuple, dict]:
