@@ -24,6 +24,7 @@ class Stages:
     def __init__(self, enabled: bool = True, stream=None):
         self.enabled = enabled
         self.stream = stream or sys.stderr
+        self.times: dict[str, float] = {}  # seconds per stage name, kept for plan.stats
 
     @contextmanager
     def stage(self, name: str):
@@ -32,8 +33,9 @@ class Stages:
         try:
             yield current
         finally:
+            self.times[name] = time.perf_counter() - started
             detail = f"{current.detail}, " if current.detail else ""
-            self._write(f"{detail}{time.perf_counter() - started:.1f} s\n")
+            self._write(f"{detail}{self.times[name]:.1f} s\n")
 
     def _write(self, text: str) -> None:
         if self.enabled:
@@ -41,12 +43,9 @@ class Stages:
             self.stream.flush()
 
 
-SILENT = Stages(enabled=False)
-
-
 def stages_or_silent(progress: Stages | None) -> Stages:
-    """The reporter to use when a caller may pass none."""
-    return progress if progress is not None else SILENT
+    """The reporter to use when a caller may pass none: a silent one that still keeps stage times."""
+    return progress if progress is not None else Stages(enabled=False)
 
 
 class Progress:

@@ -111,6 +111,6 @@ def format_explanation(graph, plan, name: str, options: list[Option]) -> str:
             for o in sorted(options, key=lambda o: (o.total_s, o.strategy))]
     table = align(["", "strategy (inputs) -> output", "compute", "inner comm", "incoming", "outgoing", "total",
                    "memory"], rows, left=2)
-    note = ["* = chosen. incoming/outgoing: redistributions (forward and, when training, backward) "
-            "to and from the layouts the plan gave this op's neighbours."]
+    note = ["(* marks the chosen strategy; incoming/outgoing: redistributions, forward and, when training, "
+            "backward, from and to the layouts the plan gave this op's neighbours)"]
     return "\n".join(head + table + note)
