@@ -23,7 +23,9 @@ one): reduce-scatter over a local dim on the other summed axes, all-reduce of
 the 1/n piece on the outer axis, all-gather back. Forward it is three ordinary
 steps, each with its own dual; backward (a gradient sum) it is one unit whose
 forward is the identity (`step_units`), since its pieces change the
-gradient's shape. Which option runs is the cost model's choice
+gradient's shape. When the summed axes are all the mesh's axes of size > 1,
+the flat form is offered too: one all-reduce over every device (a `Step`
+whose ``axes`` span several mesh axes). Which option runs is the cost model's choice
 (`autotp.cost.reshard.cheapest_steps`); each step of a non-default form
 carries the form's tag, so the plan records the choice and the lowering
 replays it.
@@ -68,6 +70,12 @@ class Step:
     dim: int | None
     message_bytes: int
     form: str = ""
+    axes: tuple[int, ...] = ()  # a flat step: one collective over all of these axes' devices at once
+
+    @property
+    def span(self) -> tuple[int, ...]:
+        """The mesh axes whose devices take part: ``axes`` for a flat step, else ``(axis,)``."""
+        return self.axes or (self.axis,)
 
     @property
     def forward_kind(self) -> str | None:
@@ -86,22 +94,25 @@ class Unsupported(Exception):
 
 @dataclass(frozen=True)
 class Reduction:
-    """The hierarchical form of a sum over ``axes``: reduce-scatter inside, all-reduce on ``outer``, all-gather.
+    """A sum over ``axes`` other than one all-reduce per axis.
 
-    ``dim`` is the local tensor dim the reduce-scatters cut; ``grad`` marks the
-    backward sum of a partial gradient rather than a forward ``P -> R``.
+    Hierarchical: reduce-scatter over local dim ``dim`` inside, all-reduce on
+    ``outer``, all-gather back. Flat (``outer`` None): one all-reduce over all
+    the devices of ``axes``. ``grad`` marks the backward sum of a partial
+    gradient rather than a forward ``P -> R``.
     """
 
     axes: tuple[int, ...]
-    outer: int
-    dim: int
+    outer: int | None = None
+    dim: int | None = None
     grad: bool = False
 
     @property
     def tag(self) -> str:
         """A short stable name, recorded with the plan's collectives: ``hierarchical 0+1 outer 0 dim 0``."""
         axes = "+".join(str(a) for a in self.axes)
-        return f"{'grad ' if self.grad else ''}hierarchical {axes} outer {self.outer} dim {self.dim}"
+        form = f"flat {axes}" if self.outer is None else f"hierarchical {axes} outer {self.outer} dim {self.dim}"
+        return f"{'grad ' if self.grad else ''}{form}"
 
     @property
     def inner(self) -> list[int]:
@@ -110,16 +121,19 @@ class Reduction:
 
 
 def hierarchical_options(axes, shape, mesh_shape, grad: bool = False) -> list[Reduction]:
-    """The hierarchical forms of a sum over ``axes`` of a local tensor of ``shape``, one per outer axis.
+    """The other forms of a sum over ``axes`` of a local tensor of ``shape``: flat, then one per outer axis.
 
-    Offered for two or more axes of size > 1 when some local dim splits evenly
-    over the product of the inner axes (the first such dim, so dim 0 when it
-    can: a reduce-scatter over dim 0 needs no copy).
+    Offered for two or more axes of size > 1. Flat when they are all the
+    mesh's axes of size > 1 (its group is then every device). Hierarchical
+    when some local dim splits evenly over the product of the inner axes (the
+    first such dim, so dim 0 when it can: a reduce-scatter over dim 0 needs
+    no copy).
     """
     axes = tuple(sorted(a for a in axes if mesh_shape[a] > 1))
     if len(axes) < 2:
         return []
-    options = []
+    whole = tuple(a for a, n in enumerate(mesh_shape) if n > 1)
+    options = [Reduction(axes, grad=grad)] if axes == whole else []
     for outer in axes:
         n = math.prod(mesh_shape[a] for a in axes if a != outer)
         dim = next((d for d, size in enumerate(shape) if size and size % n == 0), None)
@@ -130,6 +144,8 @@ def hierarchical_options(axes, shape, mesh_shape, grad: bool = False) -> list[Re
 
 def _hierarchical_steps(r: Reduction, nbytes: int, mesh_shape) -> list[Step]:
     """The steps of ``r`` on a local tensor of ``nbytes``, in forward order (a gradient sum runs them reversed)."""
+    if r.outer is None:
+        return [Step(GRAD_ALL_REDUCE if r.grad else ALL_REDUCE, r.axes[0], None, nbytes, r.tag, r.axes)]
     down, size = [], nbytes
     for a in r.inner:
         down.append((a, size))
@@ -216,7 +232,7 @@ def _serve_grad_axes(steps, grad_axes) -> tuple[list[Step], list[int]]:
     """Turn the last all-gather on each gradient axis into an all-gather/reduce-scatter pair; the rest need f."""
     steps, rest = list(steps), []
     for axis in grad_axes:
-        last = [i for i, s in enumerate(steps) if s.axis == axis]
+        last = [i for i, s in enumerate(steps) if axis in s.span]
         if last and steps[last[-1]].kind == ALL_GATHER:
             steps[last[-1]] = replace(steps[last[-1]], kind=ALL_GATHER_RS)
         else:

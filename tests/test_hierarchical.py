@@ -1,4 +1,4 @@
-"""Multi-axis sums: hierarchical all-reduce chosen by cost, and exact when lowered on a 2x2 gloo mesh.
+"""Multi-axis sums: per-axis, hierarchical or flat chosen by cost, and exact when lowered on a 2x2 gloo mesh.
 
 The choice is checked against costs computed here from the profile's own
 formula (``latency + factor * bytes / busbw(collective, bytes)`` per axis),
@@ -38,6 +38,13 @@ def _per_axis_s(profile, nbytes: float) -> float:
     return _time(profile, "nvlink", "all_reduce", 8, nbytes) + _time(profile, "ethernet", "all_reduce", 4, nbytes)
 
 
+def _flat_s(profile, nbytes: float) -> float:
+    """One ring over all 32 devices, bounded by the slowest link: Ethernet's latency and bandwidth here."""
+    eth, nvl = profile.link("ethernet"), profile.link("nvlink")
+    busbw = min(eth.busbw("all_reduce", nbytes), nvl.busbw("all_reduce", nbytes))
+    return max(eth.latency_s, nvl.latency_s) + 2 * 31 / 32 * nbytes / busbw
+
+
 def _hierarchical_s(profile, nbytes: float) -> float:
     """Reduce-scatter on the 8 NVLink devices, all-reduce of 1/8 over Ethernet, all-gather back."""
     return (_time(profile, "nvlink", "reduce_scatter", 8, nbytes) + _time(profile, "ethernet", "all_reduce", 4, nbytes / 8)
@@ -56,17 +63,26 @@ def test_hierarchical_sum_is_chosen_for_a_large_tensor_on_ethernet_and_nvlink():
     assert [s.message_bytes for s in steps] == [GIB, GIB // 8, GIB]
     exposed, _ = edge_times_s((P, P), (R, R), meta, MESH, profile, training=False, requires_grad=False)
     assert exposed == pytest.approx(_hierarchical_s(profile, GIB), rel=1e-12)
-    assert exposed < _per_axis_s(profile, GIB)
+    assert exposed < min(_per_axis_s(profile, GIB), _flat_s(profile, GIB))
 
 
-def test_per_axis_sum_is_kept_for_a_tiny_tensor_where_latency_dominates():
+def test_a_tiny_tensor_where_latency_dominates_is_summed_flat_not_hierarchically():
     profile = load_profile("ethernet-2node")
     meta = TensorMeta((16,), torch.float32)
     steps = cheapest_steps((P, P), (R, R), meta, MESH, profile, grad=False)
+    assert [(s.kind, s.span) for s in steps] == [("all_reduce", (0, 1))]  # one ring over all 32 devices
+    assert _flat_s(profile, 64) < _per_axis_s(profile, 64) < _hierarchical_s(profile, 64)
+    exposed, _ = edge_times_s((P, P), (R, R), meta, MESH, profile, training=False, requires_grad=False)
+    assert exposed == pytest.approx(_flat_s(profile, 64), rel=1e-12)
+
+
+def test_per_axis_sum_is_kept_where_flat_is_not_offered_and_latency_dominates():
+    """On a 3-D mesh summing two of three axes there is no group for a flat ring: per-axis beats hierarchical."""
+    profile = load_profile("ethernet-2node")
+    mesh = autotp.Mesh((4, 8, 2), names=("dp", "tp", "cp"), links=("ethernet", "nvlink", "nvlink"))
+    steps = cheapest_steps((P, P, R), (R, R, R), TensorMeta((16,), torch.float32), mesh, profile, grad=False)
     assert _kinds(steps) == [("all_reduce", 1), ("all_reduce", 0)]
     assert _per_axis_s(profile, 64) < _hierarchical_s(profile, 64)
-    exposed, _ = edge_times_s((P, P), (R, R), meta, MESH, profile, training=False, requires_grad=False)
-    assert exposed == pytest.approx(_per_axis_s(profile, 64), rel=1e-12)
 
 
 def test_gradient_sum_over_both_axes_goes_hierarchical_and_stays_overlappable():
@@ -92,6 +108,15 @@ def _slow_outer_profile() -> dict:
     return profile
 
 
+def _latency_bound_profile() -> dict:
+    """Latency-bound links: every collective costs its latency, so one flat ring beats two rings or three steps."""
+    profile = compute_bound_profile()
+    for link in ("ethernet", "nvlink"):
+        profile["links"][link] = {"latency_s": 1e-3, "busbw_Bps": {c: [[1, 1e14], [1e12, 1e14]] for c in COLLECTIVES},
+                                  "source": "test"}
+    return profile
+
+
 def _model():
     torch.manual_seed(0)
     return MLP(16, 32, bias=False), (torch.randn(8, 16),)
@@ -106,12 +131,13 @@ def _batch_on_both_axes(op, strategy) -> bool:
 
 def _plans(mesh):
     model, inputs = _model()
-    profile = _slow_outer_profile()
     # weights split on both axes over the contraction dim: the output is a partial sum on dp and tp
-    row = autotp.plan(model, mesh, inputs, profile=profile,
-                      pin={"fc1.weight": ("S(0)", "S(0)"), "fc2.weight": ("S(1)", "S(1)")})
-    dp = autotp.plan(model, mesh, inputs, profile=profile, allow=_batch_on_both_axes)
-    return {"partial_on_both_axes": row, "data_parallel_2d": dp}
+    pin = {"fc1.weight": ("S(0)", "S(0)"), "fc2.weight": ("S(1)", "S(1)")}
+    plans = {}
+    for form, profile in (("hierarchical", _slow_outer_profile()), ("flat", _latency_bound_profile())):
+        plans[f"partial_on_both_axes_{form}"] = autotp.plan(model, mesh, inputs, profile=profile, pin=pin)
+        plans[f"data_parallel_2d_{form}"] = autotp.plan(model, mesh, inputs, profile=profile, allow=_batch_on_both_axes)
+    return plans
 
 
 def _run(rank, world, plans):
@@ -131,7 +157,7 @@ def two_by_two():
 
 def test_plans_use_the_hierarchical_form_and_the_lowered_code_runs_it(two_by_two):
     plans, _ = two_by_two
-    row, dp = plans["partial_on_both_axes"], plans["data_parallel_2d"]
+    row, dp = plans["partial_on_both_axes_hierarchical"], plans["data_parallel_2d_hierarchical"]
     forward = [(c["kind"], c["axis"]) for c in row.collectives if c.get("form") and c["phase"] == "forward"]
     assert forward == [("reduce_scatter", "tp"), ("all_reduce", "dp"), ("all_gather", "tp")]
     grads = [c for c in dp.collectives if c.get("form", "").startswith("grad ")]
@@ -145,6 +171,18 @@ def test_plans_use_the_hierarchical_form_and_the_lowered_code_runs_it(two_by_two
     assert links == [("grad_all_gather", "tp"), ("grad_all_reduce", "dp"), ("grad_reduce_scatter", "tp")]
 
 
+def test_plans_use_the_flat_form_where_latency_dominates_and_the_lowered_code_runs_it(two_by_two):
+    plans, _ = two_by_two
+    row, dp = plans["partial_on_both_axes_flat"], plans["data_parallel_2d_flat"]
+    assert [(c["phase"], c["kind"], c["axis"]) for c in row.collectives if c.get("form")] == [
+        ("forward", "all_reduce", "dp+tp")]
+    grads = [c for c in dp.collectives if c.get("form")]
+    assert {(c["producer"], c["kind"], c["axis"]) for c in grads} == {
+        ("fc1_weight", "all_reduce", "dp+tp"), ("fc2_weight", "all_reduce", "dp+tp")}
+    assert "self.all_reduce_dp_tp(" in lower(capture(*_model(), {}), row, 0).code
+    assert "self.grad_all_reduce_dp_tp(" in lower(capture(*_model(), {}), dp, 0).code
+
+
 def test_hierarchical_sums_are_exact_in_forward_and_backward(two_by_two):
     _, per_rank = two_by_two
     for rank, results in enumerate(per_rank):
@@ -153,3 +191,4 @@ def test_hierarchical_sums_are_exact_in_forward_and_backward(two_by_two):
             assert errors["output"] <= TOLERANCE, f"{where}: output error {errors['output']:.2e}"
             assert errors["gradient"] <= TOLERANCE, f"{where}: gradient error {errors['gradient']:.2e}"
             assert errors["parameters"] == 2, where
+    assert len(per_rank[0]) == 4

@@ -7,7 +7,7 @@ import torch
 
 from autotp.graph.opgraph import TensorMeta
 from autotp.placement import P, R, Shard
-from autotp.redistribute import Unsupported, plan_steps
+from autotp.redistribute import Unsupported, plan_steps, replay_steps, step_options, step_units
 
 META = TensorMeta((8, 8), torch.float32)
 
@@ -48,3 +48,46 @@ def test_message_bytes_follow_nccl_tests():
     assert gather.message_bytes == 8 * 8 * 4  # the gathered output
     [reduce] = plan_steps((P,), (R,), META, (4,))
     assert reduce.message_bytes == 8 * 8 * 4
+
+
+def test_hierarchical_sum_steps_and_message_bytes():
+    options = step_options((P, P), (R, R), META, (2, 4))
+    forms = [{s.form for s in steps} for steps in options]
+    assert forms[0] == {""}  # one all-reduce per axis comes first
+    flat = next(o for o in options if o[0].form.startswith("flat"))
+    assert [(s.kind, s.span, s.message_bytes) for s in flat] == [("all_reduce", (0, 1), 256)]
+    hier = next(o for o in options if o[0].form == "hierarchical 0+1 outer 0 dim 0")
+    assert kinds(hier) == [("reduce_scatter", 1), ("all_reduce", 0), ("all_gather", 1)]
+    assert [s.message_bytes for s in hier] == [256, 256 // 4, 256]  # nccl-tests: full input, the piece, full output
+    assert [s.backward_kind for s in hier] == ["all_gather", None, None]
+
+
+def test_hierarchical_gradient_sum_runs_backward_as_one_unit():
+    options = step_options((R, R), (R, R), META, (2, 4), grad_axes=(0, 1))
+    hier = next(o for o in options if o[0].form.startswith("grad hierarchical"))
+    assert [s.forward_kind for s in hier] == [None, None, None]
+    assert [(s.backward_kind, s.axis) for s in reversed(hier)] == [
+        ("reduce_scatter", 1), ("all_reduce", 0), ("all_gather", 1)]
+    assert step_units(hier) == [hier]
+    assert step_units(options[0]) == [[s] for s in options[0]]  # per-axis: one module per step
+
+
+def test_three_axes_scatter_innermost_first_and_no_flat_without_a_whole_mesh_group():
+    meta = TensorMeta((16, 4), torch.float32)
+    options = step_options((P, R, P, P), (R, R, R, R), meta, (2, 3, 2, 2))
+    assert not any(s.form.startswith("flat") for o in options for s in o)  # axis 1 is not summed
+    hier = next(o for o in options if o[0].form.startswith("hierarchical 0+2+3 outer 0"))
+    assert kinds(hier) == [("reduce_scatter", 3), ("reduce_scatter", 2), ("all_reduce", 0),
+                           ("all_gather", 2), ("all_gather", 3)]
+    assert [s.message_bytes for s in hier] == [256, 128, 64, 128, 256]
+
+
+def test_no_hierarchical_form_when_no_dim_divides_and_replay_needs_an_offered_form():
+    odd = TensorMeta((3, 5), torch.float32)
+    options = step_options((P, P), (R, R), odd, (2, 2))
+    assert [o[0].form for o in options] == ["", "flat 0+1"]
+    steps = replay_steps((P, P), (R, R), META, (2, 4), forms={"hierarchical 0+1 outer 0 dim 0"})
+    assert kinds(steps) == [("reduce_scatter", 1), ("all_reduce", 0), ("all_gather", 1)]
+    assert replay_steps((P, P), (R, R), META, (2, 4)) == plan_steps((P, P), (R, R), META, (2, 4))
+    with pytest.raises(Unsupported):
+        replay_steps((P, P), (R, R), odd, (2, 2), forms={"hierarchical 0+1 outer 0 dim 0"})

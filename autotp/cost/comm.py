@@ -2,9 +2,13 @@
 
 ``factor`` is 2(n-1)/n for an all-reduce and (n-1)/n for the others, as in
 nccl-tests, so ``busbw`` is comparable across collectives and axis sizes.
+A flat collective over several axes at once is bounded by its slowest link
+(`span_time_s`).
 """
 
 from __future__ import annotations
+
+import math
 
 from autotp.placement import shard_factor
 from autotp.redistribute import ALL_REDUCE, SLICE
@@ -21,6 +25,29 @@ def collective_time_s(kind: str, axis: int, message_bytes: float, mesh, profile)
         return 0.0
     curve = profile.link(mesh.links[axis])
     return curve.latency_s + bus_factor(kind, n) * message_bytes / curve.busbw(kind, message_bytes)
+
+
+def span_time_s(kind: str, axes, message_bytes: float, mesh, profile) -> float:
+    """Seconds for one collective over the devices of several mesh axes at once (a flat ring).
+
+    The ring crosses every axis's link, so the slowest link bounds it: the
+    largest latency and the smallest bus bandwidth among those links at this
+    message size, with the factor of all ``prod(sizes)`` devices. One axis
+    gives exactly `collective_time_s`.
+    """
+    n = math.prod(mesh.shape[a] for a in axes)
+    if kind == SLICE or n == 1 or message_bytes == 0:
+        return 0.0
+    curves = [profile.link(mesh.links[a]) for a in axes]
+    busbw = min(c.busbw(kind, message_bytes) for c in curves)
+    return max(c.latency_s for c in curves) + bus_factor(kind, n) * message_bytes / busbw
+
+
+def step_time_s(kind: str, step, mesh, profile) -> float:
+    """Seconds for ``kind`` (a step's forward or backward collective) on the devices the step spans."""
+    if len(step.span) == 1:
+        return collective_time_s(kind, step.axis, step.message_bytes, mesh, profile)
+    return span_time_s(kind, step.span, step.message_bytes, mesh, profile)
 
 
 def inner_all_reduces(op, strategy, mesh) -> list[tuple[int, int]]:

@@ -4,9 +4,10 @@ Forward steps always count. In training, when the tensor is differentiated, the
 backward duals count too, including the reduction of a partial gradient that a
 replicated input receives from split work (Megatron's *f*).
 
-A sum over several mesh axes can run one all-reduce per axis or hierarchically
-(`autotp.redistribute.step_options`); `cheapest_steps` costs every form, each
-step on its own axis with `collective_time_s`, and keeps the cheapest. The
+A sum over several mesh axes can run one all-reduce per axis, hierarchically,
+or flat over every device (`autotp.redistribute.step_options`);
+`cheapest_steps` costs every form, each step on its own axis (a flat step on
+its slowest link, `step_time_s`), and keeps the cheapest. The
 plan's reported collectives and the lowering use the same choice.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from autotp.cost.comm import collective_time_s
+from autotp.cost.comm import step_time_s
 from autotp.redistribute import GRAD_KINDS, Unsupported, step_options
 
 
@@ -25,12 +26,11 @@ def steps_times_s(steps, mesh, profile, grad: bool, from_parameter: bool = False
     f step on a parameter, in any form) is overlappable: frameworks run it
     while the backward pass computes earlier layers. Everything else is exposed.
     """
-    exposed = sum(collective_time_s(s.forward_kind, s.axis, s.message_bytes, mesh, profile)
-                  for s in steps if s.forward_kind)
+    exposed = sum(step_time_s(s.forward_kind, s, mesh, profile) for s in steps if s.forward_kind)
     overlap = 0.0
     for s in steps if grad else ():
         if s.backward_kind:
-            t = collective_time_s(s.backward_kind, s.axis, s.message_bytes, mesh, profile)
+            t = step_time_s(s.backward_kind, s, mesh, profile)
             if from_parameter and s.kind in GRAD_KINDS:
                 overlap += t
             else:

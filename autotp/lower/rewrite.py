@@ -14,6 +14,7 @@ Outputs are redistributed to R, so every rank returns the full outputs.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -59,20 +60,42 @@ class _Lowerer:
         self.gm, self.plan, self.mesh, self.coords = gm, plan, plan.mesh, coords
         self.comms = [AxisComm(name, size, coords[a], (groups or {}).get(a))
                       for a, (name, size) in enumerate(zip(self.mesh.names, self.mesh.shape))]
+        self.groups = groups
         self.modules: dict[tuple, str] = {}
         self.shared: dict[tuple, fx.Node] = {}
-        self.forms: dict[tuple, set] = {}  # (consumer, input, producer) -> hierarchical forms the plan chose
+        self.forms: dict[tuple, set] = {}  # (consumer, input, producer) -> multi-axis forms the plan chose
         for c in plan.collectives:
             if c.get("form"):
                 self.forms.setdefault((c["node"], c["input"], c["producer"]), set()).add(c["form"])
 
-    def collective(self, kind: str, axis: int, dim) -> str:
-        key = (kind, axis, dim)
+    def collective(self, kind: str, axis: int, dim, span=()) -> str:
+        key = (kind, axis, dim, tuple(span))
         if key not in self.modules:
-            name = f"{kind}_{self.mesh.names[axis]}" + (f"_d{dim}" if dim is not None else "")
-            self.gm.add_submodule(name, Collective(kind, self.comms[axis], dim))
+            comm = self.span_comm(tuple(span)) if len(span) > 1 else self.comms[axis]
+            name = f"{kind}_{comm.name}" + (f"_d{dim}" if dim is not None else "")
+            self.gm.add_submodule(name, Collective(kind, comm, dim))
             self.modules[key] = name
         return self.modules[key]
+
+    def span_comm(self, axes: tuple) -> AxisComm:
+        """Every device of several mesh axes as one group (``dp_tp``), for a flat sum.
+
+        Flat sums are offered only over all the mesh's axes of size > 1, so the
+        group is the whole mesh: ``groups[axes]`` if the caller gave one, else
+        the default group, which must then hold exactly the mesh's devices.
+        """
+        group = None
+        if self.groups is not None:
+            group = self.groups.get(axes)
+            if group is None:
+                import torch.distributed as dist
+
+                if dist.get_world_size() != self.mesh.size:
+                    raise PlanError(f"the plan sums over every device of {self.mesh} at once, but the default process "
+                                    f"group has {dist.get_world_size()} ranks: pass groups[{axes}] or re-plan")
+                group = dist.group.WORLD
+        return AxisComm("_".join(self.mesh.names[a] for a in axes), math.prod(self.mesh.shape[a] for a in axes),
+                        self.mesh.rank_of(self.coords), group, counter=self.comms[0].counter)
 
     def chain(self, unit) -> str:
         """The module of a hierarchical gradient sum, e.g. ``grad_hierarchical_dp_tp_d0`` (outer axis first)."""
@@ -105,7 +128,8 @@ class _Lowerer:
             out = node
             for unit in step_units([s for s in steps if self.mesh.shape[s.axis] > 1]):
                 s = unit[0]
-                out = self._call(self.collective(s.kind, s.axis, s.dim) if len(unit) == 1 else self.chain(unit), out)
+                module = self.collective(s.kind, s.axis, s.dim, s.span) if len(unit) == 1 else self.chain(unit)
+                out = self._call(module, out)
             self.shared[key] = out
         return self.shared[key]
 

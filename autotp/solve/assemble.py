@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autotp.cost.comm import collective_time_s, inner_all_reduces
+from autotp.cost.comm import collective_time_s, inner_all_reduces, span_time_s
 from autotp.cost.compute import backward_time_s, compute_time_s
 from autotp.cost.memory import memory_by_term
 from autotp.cost.overlap import collective_savings_s
@@ -16,11 +16,14 @@ def chosen_strategies(problem, solution) -> dict:
     return {node: problem.strategy(node, solution.choice[group]) for node, group in problem.group_of.items()}
 
 
-def _record(mesh, profile, node, producer, index, phase, kind, axis, nbytes, form="") -> dict:
+def _record(mesh, profile, node, producer, index, phase, kind, axis, nbytes, form="", span=()) -> dict:
+    """One collective; a flat one over several axes (``span``) is named by them joined: ``dp+tp``."""
+    seconds = (span_time_s(kind, span, nbytes, mesh, profile) if len(span) > 1
+               else collective_time_s(kind, axis, nbytes, mesh, profile))
     record = {"node": node, "input": index, "producer": producer, "phase": phase, "kind": kind,
-              "axis": mesh.names[axis], "bytes": int(nbytes),
-              "time_s": _round(collective_time_s(kind, axis, nbytes, mesh, profile))}
-    if form:  # a multi-axis sum in hierarchical form: the lowering replays the same choice
+              "axis": "+".join(mesh.names[a] for a in span) if len(span) > 1 else mesh.names[axis],
+              "bytes": int(nbytes), "time_s": _round(seconds)}
+    if form:  # a multi-axis sum in hierarchical or flat form: the lowering replays the same choice
         record["form"] = form
     return record
 
@@ -29,11 +32,11 @@ def edge_collectives(mesh, profile, training, node, producer, index, src, dst, m
     """Every collective one edge runs, forward and (when training) backward, in execution order."""
     grad = training and grad
     steps = [s for s in cheapest_steps(src, dst, meta, mesh, profile, grad, grad_axes) if mesh.shape[s.axis] > 1]
-    out = [_record(mesh, profile, node, producer, index, "forward", s.forward_kind, s.axis, s.message_bytes, s.form)
-           for s in steps if s.forward_kind]
+    out = [_record(mesh, profile, node, producer, index, "forward", s.forward_kind, s.axis, s.message_bytes, s.form,
+                   s.span) for s in steps if s.forward_kind]
     if grad:
         out += [_record(mesh, profile, node, producer, index, "backward", s.backward_kind, s.axis, s.message_bytes,
-                        s.form) for s in reversed(steps) if s.backward_kind]
+                        s.form, s.span) for s in reversed(steps) if s.backward_kind]
     return out
 
 
@@ -75,6 +78,9 @@ def runtime_savings_s(graph, chosen, collectives, mesh, profile, training, gradi
     backward = [backward_time_s(op, chosen[op.name], mesh, profile, training) for op in ops]
     forward = [compute_time_s(op, chosen[op.name], mesh, profile, training) - b for op, b in zip(ops, backward)]
     latency = {name: profile.link(link).latency_s for name, link in zip(mesh.names, mesh.links)}
+    latency |= {c["axis"]: max(latency[n] for n in c["axis"].split("+")) for c in collectives if "+" in c["axis"]}
+    # a hierarchical gradient sum runs as one CollectiveChain, which the lowering neither batches nor overlaps
+    collectives = [c for c in collectives if not c.get("form", "").startswith("grad hierarchical")]
 
     def hidden_already(c) -> bool:  # counted in hidden_comm_s by overlap_gradients
         return gradients_hidden and c["phase"] == "backward" and graph.node(c["producer"]).kind == KIND_PARAM
