@@ -16,6 +16,7 @@ from pathlib import Path
 from autotp.api import DEFAULT_PROFILE, plan
 from autotp.cost.profile import load_profile
 from autotp.errors import AutotpError
+from autotp.fileio import atomic_write_bytes, atomic_write_text
 from autotp.interop import dtensor_plan, pins_from_styles, styles_from_plan
 from autotp.mesh import Mesh
 from autotp.model_spec import ModelSpec, build, is_plan_file, parse_model
@@ -115,23 +116,23 @@ def _write_outputs(args, result, model, inputs, kwargs, baselines, stages) -> No
         result.save(args.json)
         print(f"plan written to {args.json}")
     if args.export_tp_plan:
-        Path(args.export_tp_plan).write_text(json.dumps(styles_from_plan(result, model), indent=1, sort_keys=True)
-                                             + "\n")
+        atomic_write_text(args.export_tp_plan, json.dumps(styles_from_plan(result, model), indent=1, sort_keys=True)
+                          + "\n")
         print(f"Hugging Face tp_plan written to {args.export_tp_plan}")
     if args.export_dtensor:
-        Path(args.export_dtensor).write_text(dtensor_source(result, model, as_python=args.export_dtensor.endswith(".py")))
+        atomic_write_text(args.export_dtensor, dtensor_source(result, model, as_python=args.export_dtensor.endswith(".py")))
         print(f"DTensor parallelize_module plan written to {args.export_dtensor}")
     if args.svg:
         from autotp.report.rebuild import rebuild_graph
         from autotp.report.svg import plan_svg
 
         with stages.stage("drawing the op graph"):
-            Path(args.svg).write_text(plan_svg(result, rebuild_graph(model, inputs, kwargs)))
+            atomic_write_text(args.svg, plan_svg(result, rebuild_graph(model, inputs, kwargs)))
         print(f"op graph written to {args.svg}")
     if args.png:
         from autotp.report.chart import baseline_chart
 
-        Path(args.png).write_bytes(baseline_chart(result, baselines or []))
+        atomic_write_bytes(args.png, baseline_chart(result, baselines or []))
         print(f"chart written to {args.png}")
 
 
