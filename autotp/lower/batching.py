@@ -33,9 +33,15 @@ from torch import nn
 from autotp.cost.overlap import DEFAULT_CAP_BYTES, Item, batch_groups
 from autotp.lower.collectives import Collective, count
 
-# torch 2.13 names them *_single; older releases only have the *_tensor names
-_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+def _all_gather(out, x, group, async_op):
+    """torch 2.13 names it all_gather_single; older releases only have all_gather_into_tensor."""
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x, group=group, async_op=async_op)
+
+
+def _reduce_scatter(out, x, group, async_op):
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x, group=group, async_op=async_op)
+
 
 # kind of a Collective -> (forward primitive, backward primitive), DESIGN.md's table of duals
 DUALS = {
@@ -82,7 +88,7 @@ def _start_gather(xs, dims, comm) -> Pending:
     n, local = comm.size, _flat(xs)
     out = torch.empty(n * local.numel(), dtype=local.dtype, device=local.device)
     count(comm, "all_gather", out.numel() * out.element_size())
-    work = _ALL_GATHER(out, local, group=comm.group, async_op=True)
+    work = _all_gather(out, local, comm.group, True)
     shapes = [x.shape for x in xs]
 
     def unpack():
@@ -106,7 +112,7 @@ def _start_reduce_scatter(xs, dims, comm) -> Pending:
     packed = torch.cat([f.reshape(n, -1) for f in fronts], dim=1).reshape(-1)  # rank-major chunks
     out = torch.empty(packed.numel() // n, dtype=packed.dtype, device=packed.device)
     count(comm, "reduce_scatter", packed.numel() * packed.element_size())
-    work = _REDUCE_SCATTER(out, packed, group=comm.group, async_op=True)
+    work = _reduce_scatter(out, packed, comm.group, True)
 
     def unpack():
         local = [(f.shape[0] // n,) + tuple(f.shape[1:]) for f in fronts]
