@@ -20,6 +20,7 @@ from autotp.report.scopes import node_scopes
 from autotp.runtime.groups import mesh_groups
 from autotp.solve.assemble import assemble_plan, chosen_strategies
 from autotp.solve.constraints import apply_constraints
+from autotp.solve.backends import resolve as resolve_solver
 from autotp.solve.ilp import MemoryInfeasible, solve
 from autotp.solve.plan import Plan
 from autotp.solve.problem import build_problem
@@ -43,7 +44,7 @@ def _as_tuple(example_inputs) -> tuple:
 def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool = True,
          profile=DEFAULT_PROFILE, pin: dict | None = None, allow=None, registry=None,
          time_limit_s: float | None = None, memory_limit=None, overlap_gradients: bool = False,
-         progress: Stages | None = None) -> Plan:
+         share_layers: bool = True, solver: str = "auto", progress: Stages | None = None) -> Plan:
     """Choose a placement for every parameter and op of ``model`` on ``mesh``.
 
     ``pin`` fixes parameter placements (``{"fc1.weight": ("S(0)",)}``) and lets
@@ -57,6 +58,9 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     behind the backward compute, as DDP's bucketed all-reduce does (off by
     default: see docs/cost-model.md). ``progress`` (an `autotp.progress.Stages`)
     reports each stage and its time on stderr; by default nothing is printed.
+    ``share_layers`` gives identical layers one choice in the ILP, so solve time
+    stays flat as depth grows (see `autotp.solve.layers`). ``solver`` is
+    ``"auto"`` (HiGHS when highspy is installed, else CBC), ``"cbc"`` or ``"highs"``.
     """
     started, stages = time.perf_counter(), stages_or_silent(progress)
     mesh, profile = as_mesh(mesh), load_profile(profile)
@@ -71,11 +75,11 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
         prune_unreachable(graph, strategies)
         stage.detail = f"{sum(len(s) for s in strategies.by_node.values()):,} strategies"
     with stages.stage("costing"):
-        problem = build_problem(graph, strategies, mesh, profile, training, overlap_gradients)
+        problem = build_problem(graph, strategies, mesh, profile, training, overlap_gradients, share_layers)
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
     with stages.stage("solving ILP") as stage:
         try:
-            solution = solve(problem, time_limit_s, limit)
+            solution = solve(problem, time_limit_s, limit, solver)
         except MemoryInfeasible as exc:
             raise memory_limit_error(graph, problem, exc.smallest, mesh, training, limit) from None
         stage.detail = f"{solution.variables:,} variables"
@@ -83,6 +87,7 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
                            example_specs(example_inputs, example_kwargs))
     result.scopes = node_scopes(gm)
     result.stats = {"plan_s": time.perf_counter() - started, "solve_s": solution.solve_s,
+                    "stages_s": dict(stages.times), "solver": resolve_solver(solver),
                     "gap": solution.gap or 0.0}  # > 0 only when time_limit_s stopped the solver early
     return result
 

@@ -83,8 +83,15 @@ def shard_factor(layout, dim: int, mesh_shape) -> int:
 
 
 def local_shape(shape, layout, mesh_shape) -> tuple[int, ...]:
-    """Shape of one device's piece of a tensor of global ``shape`` (even splits only)."""
-    return tuple(s // shard_factor(layout, d, mesh_shape) for d, s in enumerate(shape))
+    """Shape of one device's piece of a tensor of global ``shape`` (even splits only).
+
+    One pass over the mesh axes: this sits under every edge cost of the ILP.
+    """
+    out = list(shape)
+    for p, n in zip(layout, mesh_shape):
+        if isinstance(p, Shard) and 0 <= p.dim < len(out):
+            out[p.dim] //= n
+    return tuple(out)
 
 
 def local_bytes(meta, layout, mesh_shape) -> int:

@@ -75,6 +75,7 @@ class OpNode:
     bytes: int
     requires_grad: bool
     fqn: str | None = None
+    module: str | None = None  # path of the innermost module that ran the op (or owns the parameter)
 
     @property
     def op_name(self) -> str:
@@ -154,6 +155,7 @@ def build_opgraph(gm: fx.GraphModule, input_requires_grad=None) -> OpGraph:
             bytes=op_bytes(node.target, ins, outs) if kind == KIND_OP else 0,
             requires_grad=requires_grad,
             fqn=node.target if kind in (KIND_PARAM, KIND_BUFFER) else None,
+            module=_module_path(node, kind),
         )
         metas[node.name] = outs[0] if not multi else outs
         grads[node.name] = requires_grad
@@ -166,6 +168,14 @@ def build_opgraph(gm: fx.GraphModule, input_requires_grad=None) -> OpGraph:
             else:
                 edge["inputs"] = edge["inputs"] + (i,)
     return OpGraph(g, order, outputs)
+
+
+def _module_path(node: fx.Node, kind: str) -> str | None:
+    """The module an op ran in (from export's ``nn_module_stack``), or a parameter's owner."""
+    if kind in (KIND_PARAM, KIND_BUFFER):
+        return str(node.target).rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack")
+    return next(reversed(stack.values()))[0] if stack else None
 
 
 def _input_meta(node: fx.Node, meta):

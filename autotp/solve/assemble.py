@@ -117,5 +117,5 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
         memory=memory_by_term(graph, chosen, mesh, training),
         inputs=inputs,
         ilp={"groups": len(problem.groups), "edges": len(problem.edges), "variables": solution.variables,
-             "constraints": solution.constraints, "ops": len(graph)},
+             "constraints": solution.constraints, "ops": len(graph), **problem.sharing.summary()},
     )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pulp
 
 from autotp.errors import SolverError
+from autotp.solve import backends
 from autotp.solve.gap import lp_relaxation_bound, optimality_gap, warm_start_replicated, warn_gap
 from autotp.solve.problem import Problem
 
@@ -79,9 +80,9 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None):
     return lp, x
 
 
-def _run(lp, x, time_limit_s) -> Solution:
+def _run(lp, x, time_limit_s, solver: str = "cbc") -> Solution:
     start = time.perf_counter()
-    lp.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, warmStart=time_limit_s is not None))
+    lp.solve(backends.command(solver, time_limit_s))
     elapsed = time.perf_counter() - start
     status = pulp.LpStatus[lp.status]
     if status != "Optimal":
@@ -93,14 +94,17 @@ def _run(lp, x, time_limit_s) -> Solution:
     return Solution(choice, objective, len(lp.variables()), len(lp.constraints), elapsed, status, gap)
 
 
-def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_bytes: float | None = None) -> Solution:
+def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_bytes: float | None = None,
+          solver: str = "auto") -> Solution:
     """Pick one strategy per group minimising total predicted step time, within the memory limit.
 
+    ``solver`` is ``"auto"``, ``"cbc"`` or ``"highs"`` (`autotp.solve.backends`).
     Raises `MemoryInfeasible` carrying the least-memory plan when nothing fits.
     """
-    solution = _run(*_model(problem, "time", memory_limit_bytes), time_limit_s)
+    solver = backends.resolve(solver)
+    solution = _run(*_model(problem, "time", memory_limit_bytes), time_limit_s, solver)
     if solution.status == "Infeasible" and memory_limit_bytes is not None:
-        smallest = _run(*_model(problem, "memory", None), None)  # no limit: the error quotes this exact minimum
+        smallest = _run(*_model(problem, "memory", None), None, solver)  # no limit: the error quotes this exact minimum
         if time_limit_s is None or smallest.objective_s * _BYTES > memory_limit_bytes:
             raise MemoryInfeasible(smallest)
         # a CBC stopped by its time limit can call a feasible problem infeasible: report the limit instead

@@ -13,6 +13,7 @@ parameters, which hide behind the backward pass up to its compute time
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from autotp.cost.comm import inner_time_s
@@ -21,6 +22,7 @@ from autotp.cost.memory import node_memory_bytes
 from autotp.cost.reshard import edge_time_s, edge_times_s
 from autotp.graph.opgraph import KIND_PARAM, OpGraph
 from autotp.placement import R
+from autotp.solve.layers import Sharing, share_identical_layers
 from autotp.strategies.enumerate import OpStrategies
 
 
@@ -50,6 +52,7 @@ class Problem:
     strategies: OpStrategies
     overlap_edges: dict[tuple[str, str], list[list[float]]] = field(default_factory=dict)
     overlap_gradients: bool = False
+    sharing: Sharing = field(default_factory=Sharing)
 
     def strategy(self, node: str, choice: int):
         group = self.groups[self.group_of[node]]
@@ -83,78 +86,102 @@ def build_groups(graph: OpGraph, strategies: OpStrategies) -> tuple[dict[str, Gr
 
 
 def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, training: bool,
-                  overlap_gradients: bool = False) -> Problem:
+                  overlap_gradients: bool = False, share_layers: bool = True) -> Problem:
     """Cost every group choice and every cross-group edge in seconds.
 
     With ``overlap_gradients`` the reductions of parameter gradients are kept
     apart, to hide behind the backward compute; otherwise they are exposed.
+    With ``share_layers`` identical layers share their choices
+    (`autotp.solve.layers`), and each distinct op and edge is costed once and
+    counted as often as it occurs.
     """
     groups, group_of = build_groups(graph, strategies)
-    problem = Problem(groups, group_of, {}, strategies, overlap_gradients=overlap_gradients)
+    sharing = share_identical_layers(graph, strategies, groups, group_of) if share_layers else Sharing()
+    problem = Problem(groups, group_of, {}, strategies, overlap_gradients=overlap_gradients, sharing=sharing)
     for group in groups.values():
         group.cost_s, group.memory_bytes = [0.0] * group.n, [0] * group.n
         group.overlap_s, group.backward_s = [0.0] * group.n, [0.0] * group.n
-    for op in graph.nodes():
-        group = groups[group_of[op.name]]
-        for c in range(group.n):
-            strategy = problem.strategy(op.name, c)
-            group.cost_s[c] += compute_time_s(op, strategy, mesh, profile, training)
-            group.backward_s[c] += backward_time_s(op, strategy, mesh, profile, training)
-            group.cost_s[c] += inner_time_s(op, strategy, mesh, profile)
-            group.memory_bytes[c] += sum(node_memory_bytes(op, strategy, mesh, training).values())
-    for op in graph.nodes():
-        for i, producer in enumerate(op.inputs):
-            _add_edge(problem, graph, producer, op, i, mesh, profile, training)
+    coster = _Coster(problem, graph, mesh, profile, training)
+    nodes = Counter((group_of[op.name], sharing.of(op.name)) for op in graph.nodes())
+    for (leader, name), count in nodes.items():
+        coster.add_node(groups[leader], graph.node(name), count)
+    edges = Counter((sharing.of(producer), sharing.of(op.name), i, group_of[producer], group_of[op.name])
+                    for op in graph.nodes() for i, producer in enumerate(op.inputs))
+    for (producer, consumer, i, gu, gv), count in edges.items():
+        coster.add_edge(producer, graph.node(consumer), i, gu, gv, count)
     for name in graph.outputs:
-        _add_output(problem, graph, name, mesh, profile, training)
+        coster.add_output(name)
     return problem
 
 
-def _edge_cost(problem, graph, producer, op, i, cu, cv, mesh, profile, training) -> tuple[float, float]:
-    """``(exposed, overlappable)`` seconds of one edge for one pair of choices."""
-    src = problem.strategy(producer, cu).out
-    s = problem.strategy(op.name, cv)
-    meta = op.in_metas[i]
-    if graph.node(producer).multi_output and src != s.ins[i]:
-        return math.inf, 0.0  # the pieces of split/chunk are taken as they are produced
-    grad = op.requires_grad and graph.node(producer).requires_grad and meta.is_float
-    return edge_times_s(src, s.ins[i], meta, mesh, profile, training, grad, s.grad_allreduce_axes(i),
-                        from_parameter=problem.overlap_gradients and graph.node(producer).kind == KIND_PARAM)
+@dataclass
+class _Coster:
+    """Adds costs into a `Problem`; the same redistribution of the same tensor is costed once."""
 
+    problem: Problem
+    graph: OpGraph
+    mesh: object
+    profile: object
+    training: bool
+    memo: dict = field(default_factory=dict)
 
-def _add_edge(problem, graph, producer, op, i, mesh, profile, training) -> None:
-    gu, gv = problem.group_of[producer], problem.group_of[op.name]
-    nu, nv = problem.groups[gu].n, problem.groups[gv].n
-    if gu == gv:  # both ends are fixed by the same choice
-        group = problem.groups[gu]
+    def add_node(self, group: Group, op, count: int) -> None:
+        """``count`` ops alike to ``op``: their compute, inner collectives and memory, per group choice."""
+        mesh, profile, training = self.mesh, self.profile, self.training
         for c in range(group.n):
-            exposed, overlap = _edge_cost(problem, graph, producer, op, i, c, c, mesh, profile, training)
-            group.cost_s[c] += exposed
-            group.overlap_s[c] += overlap
-        return
-    pairs = [[_edge_cost(problem, graph, producer, op, i, cu, cv, mesh, profile, training) for cv in range(nv)]
-             for cu in range(nu)]
-    if nu == 1 or nv == 1:  # fold into the side that has a choice
-        for cu in range(nu):
-            for cv in range(nv):
-                target, c = (problem.groups[gv], cv) if nu == 1 else (problem.groups[gu], cu)
-                target.cost_s[c] += pairs[cu][cv][0]
-                target.overlap_s[c] += pairs[cu][cv][1]
-        return
-    for edges, k in ((problem.edges, 0), (problem.overlap_edges, 1)):
-        table = [[pair[k] for pair in row] for row in pairs]
-        if k == 1 and not any(any(row) for row in table):
-            continue
-        old = edges.get((gu, gv))
-        edges[(gu, gv)] = table if old is None else [[a + b for a, b in zip(r0, r1)] for r0, r1 in zip(old, table)]
+            strategy = self.problem.strategy(op.name, c)
+            group.cost_s[c] += count * (compute_time_s(op, strategy, mesh, profile, training)
+                                        + inner_time_s(op, strategy, mesh, profile))
+            group.backward_s[c] += count * backward_time_s(op, strategy, mesh, profile, training)
+            group.memory_bytes[c] += count * sum(node_memory_bytes(op, strategy, mesh, training).values())
 
+    def edge_cost(self, producer: str, op, i: int, cu: int, cv: int) -> tuple[float, float]:
+        """``(exposed, overlappable)`` seconds of one edge for one pair of choices."""
+        src = self.problem.strategy(producer, cu).out
+        s = self.problem.strategy(op.name, cv)
+        meta, made_by = op.in_metas[i], self.graph.node(producer)
+        if made_by.multi_output and src != s.ins[i]:
+            return math.inf, 0.0  # the pieces of split/chunk are taken as they are produced
+        key = (src, s.ins[i], meta, op.requires_grad and made_by.requires_grad and meta.is_float,
+               s.grad_allreduce_axes(i), self.problem.overlap_gradients and made_by.kind == KIND_PARAM)
+        if key not in self.memo:
+            self.memo[key] = edge_times_s(key[0], key[1], meta, self.mesh, self.profile, self.training, key[3],
+                                          key[4], from_parameter=key[5])
+        return self.memo[key]
 
-def _add_output(problem, graph, name, mesh, profile, training) -> None:
-    """Outputs are returned whole on every rank: each pays its way to R."""
-    op = graph.node(name)
-    group = problem.groups[problem.group_of[name]]
-    r = (R,) * len(mesh.shape)
-    for c in range(group.n):
-        src = problem.strategy(name, c).out
-        for meta in op.out:
-            group.cost_s[c] += edge_time_s(src, r, meta, mesh, profile, training, op.requires_grad and meta.is_float)
+    def add_edge(self, producer: str, op, i: int, gu: str, gv: str, count: int) -> None:
+        """``count`` edges alike to ``producer -> op`` (input ``i``) between groups ``gu`` and ``gv``."""
+        groups, edges = self.problem.groups, self.problem.edges
+        nu, nv = groups[gu].n, groups[gv].n
+        if gu == gv:  # both ends are fixed by the same choice
+            for c in range(nu):
+                exposed, overlap = self.edge_cost(producer, op, i, c, c)
+                groups[gu].cost_s[c] += count * exposed
+                groups[gu].overlap_s[c] += count * overlap
+            return
+        pairs = [[self.edge_cost(producer, op, i, cu, cv) for cv in range(nv)] for cu in range(nu)]
+        if nu == 1 or nv == 1:  # fold into the side that has a choice
+            for cu in range(nu):
+                for cv in range(nv):
+                    target, c = (groups[gv], cv) if nu == 1 else (groups[gu], cu)
+                    target.cost_s[c] += count * pairs[cu][cv][0]
+                    target.overlap_s[c] += count * pairs[cu][cv][1]
+            return
+        for table_of, k in ((edges, 0), (self.problem.overlap_edges, 1)):
+            table = [[count * pair[k] for pair in row] for row in pairs]
+            if k == 1 and not any(any(row) for row in table):
+                continue
+            old = table_of.get((gu, gv))
+            table_of[(gu, gv)] = table if old is None else [[a + b for a, b in zip(r0, r1)]
+                                                            for r0, r1 in zip(old, table)]
+
+    def add_output(self, name: str) -> None:
+        """Outputs are returned whole on every rank: each pays its way to R."""
+        op = self.graph.node(name)
+        group = self.problem.groups[self.problem.group_of[name]]
+        r = (R,) * len(self.mesh.shape)
+        for c in range(group.n):
+            src = self.problem.strategy(name, c).out
+            for meta in op.out:
+                group.cost_s[c] += edge_time_s(src, r, meta, self.mesh, self.profile, self.training,
+                                               op.requires_grad and meta.is_float)

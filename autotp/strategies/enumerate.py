@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autotp.graph.opgraph import KIND_OP, KIND_PARAM, OpGraph
+from autotp.graph.signature import op_signature
 from autotp.strategies.base import AxisOption, Strategy, expand
 from autotp.placement import Partial, R, Shard
 
@@ -24,30 +25,40 @@ def _param_options(op) -> list[AxisOption]:
 
 
 def enumerate_strategies(graph: OpGraph, mesh_shape, registry) -> OpStrategies:
-    """Apply the registry's rule to every op; an op without a usable rule gets only R."""
+    """Apply the registry's rule to every op; an op without a usable rule gets only R.
+
+    Rules are pure functions of an op's content, so ops with the same
+    `op_signature` (the same op in each of 80 identical layers) are enumerated once.
+    """
     result = OpStrategies(by_node={})
+    seen: dict[tuple, tuple[list[Strategy], str | None, bool]] = {}
     for op in graph.nodes():
-        if op.kind == KIND_PARAM:
-            result.by_node[op.name] = expand(op, _param_options(op), mesh_shape)
-            continue
-        if op.kind != KIND_OP:
-            result.by_node[op.name] = expand(op, [], mesh_shape)
-            continue
-        entry = registry.get(op.target)
-        options, reason = [], None
-        if entry is None:
-            reason = f"no strategy rule for {op.op_name}"
-        else:
-            try:
-                options = entry.fn(op)
-            except Exception as exc:  # noqa: BLE001 - a rule that cannot handle an op replicates it
-                reason = f"rule for {op.op_name} failed on these shapes ({type(exc).__name__}: {exc})"
-            if entry.follower:
-                result.followers.add(op.name)
-        result.by_node[op.name] = expand(op, options, mesh_shape)
+        key = op_signature(op)
+        if key not in seen:
+            seen[key] = _strategies_of(op, mesh_shape, registry)
+        strategies, reason, follower = seen[key]
+        result.by_node[op.name] = list(strategies)
+        if follower:
+            result.followers.add(op.name)
         if reason:
             result.fallback[op.name] = reason
     return result
+
+
+def _strategies_of(op, mesh_shape, registry) -> tuple[list[Strategy], str | None, bool]:
+    """``(strategies, reason it fell back or None, whether it follows its producer)`` for one op."""
+    if op.kind == KIND_PARAM:
+        return expand(op, _param_options(op), mesh_shape), None, False
+    if op.kind != KIND_OP:
+        return expand(op, [], mesh_shape), None, False
+    entry = registry.get(op.target)
+    if entry is None:
+        return expand(op, [], mesh_shape), f"no strategy rule for {op.op_name}", False
+    try:
+        options, reason = entry.fn(op), None
+    except Exception as exc:  # noqa: BLE001 - a rule that cannot handle an op replicates it
+        options, reason = [], f"rule for {op.op_name} failed on these shapes ({type(exc).__name__}: {exc})"
+    return expand(op, options, mesh_shape), reason, entry.follower
 
 
 def replicated_strategy(op, mesh_ndim: int) -> Strategy:

@@ -1,0 +1,61 @@
+"""Which MILP solver runs the ILP: CBC (bundled with pulp) or HiGHS (``pip install autotp[highs]``).
+
+Both are exact branch-and-bound solvers run single-threaded, so a plan is
+deterministic. HiGHS is used when it is installed because it solved every
+planning ILP we measured faster (benchmarks/plan_time.py, docs/benchmarks.md);
+CBC needs nothing beyond pulp and stays the fallback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pulp
+
+from autotp.errors import SolverError
+
+SOLVERS = ("auto", "cbc", "highs")
+
+
+def highs_available() -> bool:
+    return importlib.util.find_spec("highspy") is not None
+
+
+def resolve(name: str) -> str:
+    """``"auto"`` becomes ``"highs"`` when highspy is installed, else ``"cbc"``."""
+    if name not in SOLVERS:
+        raise SolverError(f"unknown solver {name!r}: use one of {', '.join(SOLVERS)}")
+    if name == "auto":
+        return "highs" if highs_available() else "cbc"
+    if name == "highs" and not highs_available():
+        raise SolverError("solver 'highs' needs highspy: pip install 'autotp[highs]' (or use solver='cbc')")
+    return name
+
+
+def command(name: str, time_limit_s: float | None):
+    """The pulp solver object for ``name`` (already resolved), single-threaded, silent, exact gap."""
+    if name == "highs":
+        return _QuietHiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=0.0)
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, warmStart=time_limit_s is not None)
+
+
+class _QuietHiGHS(pulp.HiGHS):
+    """pulp's HiGHS, minus the banner highspy prints on stdout when a solver is created.
+
+    The banner comes from C++ before any option can be set, so the process's
+    stdout file descriptor is pointed at /dev/null for that one call: a plan
+    written to stdout (``autotp plan --json -``) must stay clean.
+    """
+
+    def createAndConfigureSolver(self, lp):
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), 1)
+                super().createAndConfigureSolver(lp)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)

@@ -1,0 +1,76 @@
+"""Plan 70B- and 175B-parameter shapes on multi-node meshes, on the meta device, and print the plans.
+
+- Llama-2-70B (80 layers, hidden 8192, GQA 64/8, FFN 28672, vocab 32000,
+  sequence 4096) on mesh 8 (one HGX node) and on 4x8 (4 nodes: Ethernet
+  between them, NVLink inside);
+- GPT-3-175B (96 layers, hidden 12288) on 8x8 with an 80 GB limit per device.
+
+Per plan: the placement of each layer parameter on each axis (identical layers
+folded into one row), the predicted step time split into compute and
+communication, memory per device by term, and planning/solve times.
+
+Run: ``python benchmarks/big_plans.py [--only 70b-8,70b-4x8,175b-8x8]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import autotp  # noqa: E402
+import shapes  # noqa: E402
+from autotp.units import format_bytes  # noqa: E402
+
+CASES = {  # name -> (builder, mesh, links, profile, memory limit)
+    "70b-8": (lambda: shapes.llama2_70b(batch=1), "8", None, "h100-hgx", None),
+    "70b-4x8": (lambda: shapes.llama2_70b(batch=4), "4x8", "ethernet,nvlink", "ethernet-2node", None),
+    "175b-8x8": (lambda: shapes.gpt3_175b(batch=8), "8x8", "ethernet,nvlink", "ethernet-2node", "80GB"),
+}
+
+
+def folded_parameters(plan) -> dict[str, tuple[tuple[str, ...], int]]:
+    """``model.layers.*.mlp.up_proj.weight -> (placements, count)``: identical layers in one row."""
+    rows: dict[str, list] = {}
+    for fqn, layout in plan.parameters.items():
+        key = re.sub(r"\.\d+\.", ".*.", fqn)
+        entry = rows.setdefault(key, [layout, 0, True])
+        entry[1] += 1
+        entry[2] &= entry[0] == layout
+    return {k: (v[0] if v[2] else ("mixed",), v[1]) for k, v in rows.items()}
+
+
+def report(name: str) -> None:
+    build, mesh, links, profile, limit = CASES[name]
+    model, args, kwargs = build()
+    mesh = autotp.Mesh(mesh, links=links)
+    plan = autotp.plan(model, mesh, args, kwargs, profile=profile, memory_limit=limit)
+    p, mem = plan.predicted, plan.memory
+    print(f"\n### {name}: {type(model).__name__}, {sum(t.numel() for t in model.parameters()) / 1e9:.1f} B "
+          f"parameters, mesh {mesh} ({profile}), batch x seq {tuple(args[0].shape)}"
+          + (f", memory limit {limit}" if limit else ""))
+    print(f"\nplanned in {plan.stats['plan_s']:.1f} s (ILP solve {plan.stats['solve_s']:.2f} s, "
+          f"{plan.ilp['variables']:,} variables, {plan.ilp['ops']:,} ops, "
+          f"{plan.ilp.get('shared_layers', 0)} layers sharing variables); fallbacks: {len(plan.fallback_ops)}")
+    print(f"\npredicted step: {p['total_s'] * 1e3:.1f} ms = compute {p['compute_s'] * 1e3:.1f} ms + "
+          f"communication {p['comm_s'] * 1e3:.1f} ms" + (f" - hidden {p['hidden_comm_s'] * 1e3:.1f} ms"
+                                                           if p.get("hidden_comm_s") else ""))
+    print("\nmemory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()))
+    print(f"\n| parameter | {' | '.join(mesh.names)} | layers |")
+    print("|---|" + "---|" * len(mesh.names) + "---|")
+    for key, (layout, count) in folded_parameters(plan).items():
+        print(f"| {key} | {' | '.join(layout) if layout != ('mixed',) else 'mixed'} | {count} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default=",".join(CASES))
+    for name in parser.parse_args().only.split(","):
+        report(name)
+
+
+if __name__ == "__main__":
+    main()
