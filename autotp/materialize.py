@@ -27,6 +27,7 @@ that is an error naming it, never a silent zero.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import struct
@@ -157,19 +158,10 @@ def _contiguous_runs(shape, ranges, itemsize: int) -> list[tuple[int, int]]:
     strides = [math.prod(shape[d + 1:]) * itemsize for d in range(len(shape))]
     start, stop = ranges[last] if shape else (0, 1)
     runs = []
-    for outer in _index_product([range(a, b) for a, b in ranges[:last]]):
+    for outer in itertools.product(*[range(a, b) for a, b in ranges[:last]]):
         base = sum(i * s for i, s in zip(outer, strides))
         runs.append((base + start * inner, (stop - start) * inner))
     return runs
-
-
-def _index_product(ranges):
-    if not ranges:
-        yield ()
-        return
-    for i in ranges[0]:
-        for rest in _index_product(ranges[1:]):
-            yield (i, *rest)
 
 
 def save_safetensors(tensors: dict, path) -> None:
@@ -216,7 +208,10 @@ def empty_parameters():
     Why: ``with torch.device("meta")`` would put the buffers an ``__init__``
     computes (rotary frequencies) on ``meta`` too, and those are in no
     checkpoint. Here each parameter is swapped for a ``meta`` one as it is
-    registered, so the initialisers that run afterwards touch no memory.
+    registered, so the initialisers that run afterwards touch no memory (a
+    parameter built with values, ``torch.ones(n)``, exists for real only until
+    it is registered). It patches ``nn.Module.register_parameter`` for the
+    duration of the block: build nothing on other threads meanwhile.
     Example::
 
         with autotp.materialize.empty_parameters():

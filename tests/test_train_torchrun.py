@@ -23,7 +23,8 @@ import autotp
 import train_torchrun as example
 from autotp.checkpoint import INDEX, assemble, consolidate, load_sharded, read_index, save_sharded
 from autotp.errors import CheckpointError
-from autotp.lower import shard_tensor
+from autotp.capture import capture
+from autotp.lower import lower, shard_tensor
 from autotp.placement import parse_layout
 from helpers import forced_plan, make_model
 
@@ -76,9 +77,10 @@ def test_torchrun_training_matches_one_device_and_resumes_exactly(tmp_path):
 
 
 def _lowered(plan):
-    """Each rank's lowered GPT (no process group: saved and loaded, never run)."""
-    model, _ = make_model("gpt")
-    return [autotp.parallelize(model, plan, rank=rank, groups={}) for rank in range(plan.mesh.size)]
+    """Each rank's lowered GPT (no process group: saved and loaded, never run), captured once."""
+    model, inputs = make_model("gpt")
+    gm = capture(model, inputs)
+    return [lower(copy.deepcopy(gm), plan, rank) for rank in range(plan.mesh.size)]
 
 
 def _locals(pristine):
