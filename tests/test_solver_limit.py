@@ -14,7 +14,7 @@ from conftest import compute_bound_profile
 from helpers import make_model
 
 MESH = "2x2"
-LIMIT_S = 0.001  # CBC checks its clock right after the root LP: it stops there, holding only the warm start
+LIMIT_S = 0.001  # both solvers stop at their first clock check, holding only the warm start
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +23,13 @@ def optimal():
     return autotp.plan(model, autotp.Mesh(MESH), inputs, profile=compute_bound_profile())
 
 
-def test_time_limit_returns_a_complete_plan_and_its_gap(optimal):
+@pytest.mark.parametrize("solver", ["cbc", "highs"])
+def test_time_limit_returns_a_complete_plan_and_its_gap(optimal, solver):
     model, inputs = make_model("mlp")
     with pytest.warns(SolverGapWarning, match=r"time limit: the plan is the best found, within .*raise time_limit_s") \
             as caught:
         limited = autotp.plan(model, autotp.Mesh(MESH), inputs, profile=compute_bound_profile(),
-                              time_limit_s=LIMIT_S)
+                              time_limit_s=LIMIT_S, solver=solver)
     gap = limited.stats["gap"]
     message = next(str(w.message) for w in caught if w.category is SolverGapWarning)
     stated = float(re.search(r"= (\d\.\d{4})\)", message).group(1))
@@ -40,12 +41,13 @@ def test_time_limit_returns_a_complete_plan_and_its_gap(optimal):
     assert optimal.stats["gap"] == 0.0
 
 
-def test_no_plan_within_the_limit_is_an_error(optimal):
-    """A memory limit rules out the replicated warm start, so CBC stopped at once holds no plan."""
+@pytest.mark.parametrize("solver", ["cbc", "highs"])
+def test_no_plan_within_the_limit_is_an_error(optimal, solver):
+    """A memory limit rules out the replicated warm start, so a solver stopped at once holds no plan."""
     model, inputs = make_model("mlp")
     with pytest.raises(SolverError, match=r"no plan within time_limit_s=0\.001 s: raise the time limit"):
         autotp.plan(model, autotp.Mesh(MESH), inputs, profile=compute_bound_profile(), time_limit_s=LIMIT_S,
-                    memory_limit=2 * optimal.memory["total"])
+                    memory_limit=2 * optimal.memory["total"], solver=solver)
 
 
 def test_gap_is_relative_to_the_plan():

@@ -1,12 +1,14 @@
 """A time-limited solve: a starting incumbent, an honest lower bound, and the optimality gap between them.
 
-With ``time_limit_s`` CBC may stop before it proves its best plan optimal, or
-before it finds any plan at all (on a GPT on a 2x2 mesh it is still reading
+With ``time_limit_s`` the solver may stop before it proves its best plan
+optimal, or before it finds any plan at all (on a GPT on a 2x2 mesh it is still reading
 and presolving after 0.2 s). Three pieces make the limit useful:
 
 * a **warm start**: every group starts on its fully replicated strategy where
-  it has one. That plan always exists for an unconstrained model, so CBC
-  stopped at any time still holds a valid incumbent at least this good;
+  it has one, completed to every variable by one LP with those choices
+  fixed, and handed to CBC (``warmStart``) or HiGHS (``setSolution``). That
+  plan always exists for an unconstrained model, so a solver stopped at any
+  time still holds a valid incumbent at least this good;
 * a **lower bound**: pulp does not return CBC's best bound, so the bound here
   is the optimum of the LP relaxation of the same problem (integrality
   dropped, everything else equal). Every integer plan costs at least this
@@ -49,6 +51,43 @@ def warm_start_replicated(problem, x: dict) -> int:
             var.setInitialValue(1 if c == replicated else 0)
         started += 1
     return started
+
+
+def complete_start(lp: pulp.LpProblem) -> bool:
+    """Extend the binaries' initial values to a start for every variable, or drop the start.
+
+    CBC completes a partial start by itself; HiGHS does not within a short
+    limit. So the LP with every started binary fixed to its value is solved
+    once (cheap: no integer search), and its solution becomes the start. If
+    that LP is infeasible (a memory limit the replicated plan breaks), every
+    initial value is cleared and the solver starts cold. Returns whether a
+    start remains.
+    """
+    started = [(v, v.lowBound, v.upBound) for v in lp.variables() if v.varValue is not None]
+    if not started:
+        return False
+    for var, _, _ in started:
+        var.lowBound = var.upBound = var.varValue
+    try:
+        lp.solve(pulp.PULP_CBC_CMD(msg=False, mip=False, timeLimit=LP_MIN_LIMIT_S, threads=1))
+        feasible = lp.sol_status == pulp.LpSolutionOptimal
+    finally:
+        for var, low, up in started:
+            var.lowBound, var.upBound = low, up
+    if not feasible:
+        for var in lp.variables():
+            var.varValue = None
+    return feasible
+
+
+def set_highs_start(lp: pulp.LpProblem) -> None:
+    """Hand the variables' initial values to a highspy model built by pulp (``lp.solverModel``)."""
+    import numpy as np
+
+    given = [(v.index, v.varValue) for v in lp.variables() if v.varValue is not None]
+    if given:
+        lp.solverModel.setSolution(len(given), np.array([i for i, _ in given], dtype=np.int32),
+                                   np.array([value for _, value in given], dtype=np.float64))
 
 
 def lp_relaxation_bound(lp: pulp.LpProblem, time_limit_s: float | None = None) -> float | None:
