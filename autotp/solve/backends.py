@@ -15,6 +15,7 @@ import sys
 import pulp
 
 from autotp.errors import SolverError
+from autotp.solve.gap import set_highs_start
 
 SOLVERS = ("auto", "cbc", "highs")
 
@@ -37,7 +38,9 @@ def resolve(name: str) -> str:
 def command(name: str, time_limit_s: float | None):
     """The pulp solver object for ``name`` (already resolved), single-threaded, silent, exact gap."""
     if name == "highs":
-        return _QuietHiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=0.0)
+        highs = _QuietHiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=0.0)
+        highs.warm_start = time_limit_s is not None  # as CBC's warmStart: see autotp.solve.gap
+        return highs
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, warmStart=time_limit_s is not None)
 
 
@@ -48,6 +51,13 @@ class _QuietHiGHS(pulp.HiGHS):
     stdout file descriptor is pointed at /dev/null for that one call: a plan
     written to stdout (``autotp plan --json -``) must stay clean.
     """
+
+    warm_start = False
+
+    def callSolver(self, lp):
+        if self.warm_start:
+            set_highs_start(lp)
+        super().callSolver(lp)
 
     def createAndConfigureSolver(self, lp):
         sys.stdout.flush()

@@ -20,7 +20,7 @@ import pulp
 
 from autotp.errors import SolverError
 from autotp.solve import backends
-from autotp.solve.gap import lp_relaxation_bound, optimality_gap, warm_start_replicated, warn_gap
+from autotp.solve.gap import complete_start, lp_relaxation_bound, optimality_gap, warm_start_replicated, warn_gap
 from autotp.solve.problem import Problem
 
 _SCALE = 1e6  # seconds -> microseconds inside the solver
@@ -82,6 +82,8 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None):
 
 def _run(lp, x, time_limit_s, solver: str = "cbc") -> Solution:
     start = time.perf_counter()
+    if time_limit_s is not None:
+        complete_start(lp)  # a start for every variable: a solver stopped at the limit still holds a plan
     lp.solve(backends.command(solver, time_limit_s))
     elapsed = time.perf_counter() - start
     status = pulp.LpStatus[lp.status]
