@@ -57,7 +57,7 @@ _BACKWARD = {ALL_REDUCE: None, ALL_GATHER: None, ALL_GATHER_RS: REDUCE_SCATTER, 
 
 @dataclass(frozen=True)
 class Step:
-    """One collective (or local slice) on one mesh axis.
+    """One collective (or local slice) on one mesh axis; a flat step spans several (``axes``).
 
     ``message_bytes`` follows nccl-tests: the all-reduce buffer, the gathered
     output of an all-gather, the full input of a reduce-scatter. ``form`` is
@@ -120,7 +120,7 @@ class Reduction:
         return [a for a in sorted(self.axes, reverse=True) if a != self.outer]
 
 
-def hierarchical_options(axes, shape, mesh_shape, grad: bool = False) -> list[Reduction]:
+def reduction_options(axes, shape, mesh_shape, grad: bool = False) -> list[Reduction]:
     """The other forms of a sum over ``axes`` of a local tensor of ``shape``: flat, then one per outer axis.
 
     Offered for two or more axes of size > 1. Flat when they are all the
@@ -200,7 +200,7 @@ def plan_steps(src, dst, meta, mesh_shape, grad_axes=(), reduction: Reduction | 
     nbytes = local_bytes(meta, dst, mesh_shape)
     if grad_reduction is None:
         return steps + [Step(GRAD_ALL_REDUCE, axis, None, nbytes) for axis in rest]
-    if grad_reduction not in hierarchical_options(rest, local_shape(meta.shape, dst, mesh_shape), mesh_shape, True):
+    if grad_reduction not in reduction_options(rest, local_shape(meta.shape, dst, mesh_shape), mesh_shape, True):
         raise Unsupported(f"{grad_reduction.tag} is not a form of the gradient sum over axes {rest}")
     return steps + _hierarchical_steps(grad_reduction, nbytes, mesh_shape)
 
@@ -209,10 +209,10 @@ def step_options(src, dst, meta, mesh_shape, grad_axes=()) -> list[list[Step]]:
     """Every way `plan_steps` offers to turn ``src`` into ``dst``, one all-reduce per axis first."""
     shape = local_shape(meta.shape, src, mesh_shape)
     options = []
-    for reduction in [None] + hierarchical_options(summed_axes(src, dst), shape, mesh_shape):
+    for reduction in [None] + reduction_options(summed_axes(src, dst), shape, mesh_shape):
         steps = _layout_steps(src, dst, meta, mesh_shape, reduction)
         _, rest = _serve_grad_axes(steps, grad_axes)
-        grads = hierarchical_options(rest, local_shape(meta.shape, dst, mesh_shape), mesh_shape, grad=True)
+        grads = reduction_options(rest, local_shape(meta.shape, dst, mesh_shape), mesh_shape, grad=True)
         options += [plan_steps(src, dst, meta, mesh_shape, grad_axes, reduction, g) for g in [None] + grads]
     return options
 
@@ -246,7 +246,7 @@ def _layout_steps(src, dst, meta, mesh_shape, reduction: Reduction | None = None
     cur, steps, done = list(src), [], set()
     if reduction is not None:  # the sum first, while every local piece is whole
         shape = local_shape(meta.shape, src, mesh_shape)
-        if reduction not in hierarchical_options(summed_axes(src, dst), shape, mesh_shape):
+        if reduction not in reduction_options(summed_axes(src, dst), shape, mesh_shape):
             raise Unsupported(f"{reduction.tag} is not a form of the sum from {src} to {dst}")
         steps = _hierarchical_steps(reduction, local_bytes(meta, src, mesh_shape), mesh_shape)
         for a in reduction.axes:

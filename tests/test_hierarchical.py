@@ -47,7 +47,8 @@ def _flat_s(profile, nbytes: float) -> float:
 
 def _hierarchical_s(profile, nbytes: float) -> float:
     """Reduce-scatter on the 8 NVLink devices, all-reduce of 1/8 over Ethernet, all-gather back."""
-    return (_time(profile, "nvlink", "reduce_scatter", 8, nbytes) + _time(profile, "ethernet", "all_reduce", 4, nbytes / 8)
+    return (_time(profile, "nvlink", "reduce_scatter", 8, nbytes)
+            + _time(profile, "ethernet", "all_reduce", 4, nbytes / 8)
             + _time(profile, "nvlink", "all_gather", 8, nbytes))
 
 
@@ -103,8 +104,8 @@ def _slow_outer_profile() -> dict:
     """Bandwidth-bound links: Ethernet a million times slower than NVLink, latency negligible."""
     profile = compute_bound_profile()
     for link, busbw in (("ethernet", 1e6), ("nvlink", 1e12)):
-        profile["links"][link] = {"latency_s": 1e-12, "busbw_Bps": {c: [[1, busbw], [1e12, busbw]] for c in COLLECTIVES},
-                                  "source": "test"}
+        curve = [[1, busbw], [1e12, busbw]]
+        profile["links"][link] = {"latency_s": 1e-12, "busbw_Bps": {c: curve for c in COLLECTIVES}, "source": "test"}
     return profile
 
 
