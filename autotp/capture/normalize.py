@@ -13,18 +13,37 @@ between sizes; the lowering turns every ``view`` into ``reshape`` instead.
 ``mean(x, dims)`` becomes ``sum(x, dims) / count``: a sum over a split dim is a
 partial sum, so an RMSNorm over a hidden dim split across devices all-reduces
 one number per row instead of gathering the whole activation.
+
+``batch_norm(x, ..., training=True)`` becomes its formula (`decompose_batch_norm`):
+per-channel sums over the batch and spatial dims, so a batch split leaves
+partial sums the planner all-reduces (synchronised batch norm, exact), and
+the running statistics are written back with ``copy_`` into the buffers.
+
+In-place ops on activations (``x.add_(y)``, ``relu_``, ``x += y``) become their
+out-of-place form, and later readers of ``x`` read the result
+(`functionalize_inplace`): a sharded program keeps several copies of one
+tensor (a slice here, a gathered copy there), so an update in place would
+reach only one of them. Updates of graph inputs and buffers stay in place and
+run replicated, so every rank's buffer sees the same update.
 """
 
 from __future__ import annotations
 
+import math
+import operator
+
 import torch
 import torch.fx as fx
+
+from autotp.errors import CaptureError
 
 aten = torch.ops.aten
 
 
 def normalize(gm: fx.GraphModule) -> None:
     """Apply every normalization pass in place."""
+    decompose_batch_norm(gm)
+    functionalize_inplace(gm)
     split_linear_bias(gm)
     split_addmm(gm)
     mean_as_sum(gm)
@@ -92,3 +111,148 @@ def drop_contiguous(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and node.target == aten.contiguous.default:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
+
+
+def _meta_value(gm: fx.GraphModule, arg):
+    """A ``meta``-device stand-in for an fx argument, so an op's output shape can be computed."""
+    if not isinstance(arg, fx.Node):
+        return arg
+    val = arg.meta.get("val")
+    if val is None and arg.op == "get_attr":
+        val = getattr(gm, "get_parameter" if arg.target in dict(gm.named_parameters()) else "get_buffer")(arg.target)
+    if isinstance(val, torch.Tensor):
+        return torch.empty(val.shape, dtype=val.dtype, device="meta")
+    return val
+
+
+def _emit(gm: fx.GraphModule, target, *args, **kwargs) -> fx.Node:
+    """Insert ``target(*args)`` at the graph's insertion point, with its output recorded in ``meta['val']``."""
+    node = gm.graph.call_function(target, args, kwargs)
+    margs, mkwargs = torch.utils._pytree.tree_map(lambda a: _meta_value(gm, a), (args, kwargs))
+    node.meta["val"] = target(*margs, **mkwargs)
+    return node
+
+
+def _redirect_later_uses(old: fx.Node, new: fx.Node, after: fx.Node, order: dict) -> None:
+    """Readers of ``old`` placed after ``after`` read ``new`` instead (they ran after the update)."""
+    for user in list(old.users):
+        if user is not new and order.get(user, -1) > order[after]:
+            user.replace_input_with(old, new)
+
+
+def decompose_batch_norm(gm: fx.GraphModule) -> None:
+    """Training-mode ``batch_norm`` -> per-channel sums, normalisation and running-statistic updates.
+
+    Same formula as ATen's: biased variance to normalise, unbiased variance in
+    ``running_var``, ``running = (1 - momentum) * running + momentum * batch``.
+    The statistics written back are detached, as ATen updates them without
+    autograd. ``momentum=None`` (a cumulative average) is left as it is.
+    """
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != aten.batch_norm.default or not node.args[5]:
+            continue
+        x, weight, bias, running_mean, running_var, _, momentum, eps = node.args[:8]
+        if momentum is None:
+            continue
+        shape = tuple(x.meta["val"].shape)
+        channels = shape[1]
+        count = math.prod(shape) // channels
+        dims = [0] + list(range(2, len(shape)))
+        stat_shape = [1, channels] + [1] * (len(shape) - 2)
+        with graph.inserting_before(node):
+            mean = _emit(gm, aten.div.Tensor, _emit(gm, aten.sum.dim_IntList, x, dims, True), count)
+            centered = _emit(gm, aten.sub.Tensor, x, mean)
+            var = _emit(gm, aten.div.Tensor, _emit(gm, aten.sum.dim_IntList,
+                                                   _emit(gm, aten.mul.Tensor, centered, centered), dims, True), count)
+            out = _emit(gm, aten.mul.Tensor, centered, _emit(gm, aten.rsqrt.default, _emit(gm, aten.add.Tensor, var, eps)))
+            if weight is not None:
+                out = _emit(gm, aten.mul.Tensor, out, _emit(gm, aten.view.default, weight, stat_shape))
+            if bias is not None:
+                out = _emit(gm, aten.add.Tensor, out, _emit(gm, aten.view.default, bias, stat_shape))
+            for buffer, stat, scale in ((running_mean, mean, 1.0), (running_var, var, count / max(count - 1, 1))):
+                if buffer is None:
+                    continue
+                batch = _emit(gm, aten.detach.default, _emit(gm, aten.view.default, stat, [channels]))
+                update = _emit(gm, aten.add.Tensor, _emit(gm, aten.mul.Tensor, buffer, 1.0 - momentum),
+                               _emit(gm, aten.mul.Tensor, batch, momentum * scale))
+                written = _emit(gm, aten.copy_.default, buffer, update)
+                order[written] = order[node]
+                _redirect_later_uses(buffer, written, node, order)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+
+
+def _is_inplace(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write and not schema.name.endswith("_out") and not schema.overload_name.endswith("out")
+
+
+def _returns_alias(node: fx.Node) -> bool:
+    """Whether ``node``'s output may share memory with one of its inputs (views, reshape, contiguous)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return _returns_alias(node.args[0])
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _functional(target):
+    """``aten.add_.Tensor`` -> ``aten.add.Tensor``; None when ATen has no out-of-place twin."""
+    packet = getattr(aten, target._schema.name.removeprefix("aten::").removesuffix("_"), None)
+    overload = target._overloadname
+    return getattr(packet, overload, None) if packet is not None and overload in packet.overloads() else None
+
+
+def _views_read_after(base: fx.Node, node: fx.Node, order: dict) -> bool:
+    """True when a view of ``base`` taken before ``node`` is read after it (it would see the update)."""
+    stack = [u for u in base.users if u is not node and order.get(u, -1) < order[node] and _returns_alias(u)]
+    while stack:
+        view = stack.pop()
+        for user in view.users:
+            if order.get(user, -1) > order[node]:
+                return True
+            if _returns_alias(user):
+                stack.append(user)
+    return False
+
+
+def functionalize_inplace(gm: fx.GraphModule) -> None:
+    """Rewrite in-place ops on activations out of place; keep (and order) updates of inputs and buffers.
+
+    An in-place op on a view of another tensor, or on a tensor one of whose
+    views is read after the update, changes more than its result: that is a
+    `CaptureError` naming the op, rather than a program that may differ.
+    """
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if not _is_inplace(node) or not isinstance(node.args[0], fx.Node):
+            continue
+        target = node.args[0]
+        if target.op in ("placeholder", "get_attr"):
+            _redirect_later_uses(target, node, node, order)
+            continue
+        functional = _functional(node.target)
+        if functional is None or _returns_alias(target) or _views_read_after(target, node, order):
+            what = "a view of another tensor" if _returns_alias(target) else "a tensor whose view is read later"
+            if functional is None:
+                what = "a tensor, and ATen has no out-of-place form of it"
+            raise CaptureError(f"{node.target._schema.name.removeprefix('aten::')} updates {what} in place "
+                               f"({target.name}): autotp cannot shard that exactly; write it out of place "
+                               "(y = x + z instead of x += z)")
+        dtype = node.meta["val"].dtype
+        with graph.inserting_before(node):
+            new = _emit(gm, functional, *node.args, **node.kwargs)
+            if new.meta["val"].dtype != dtype:  # in place keeps self's dtype; out of place may promote
+                new = _emit(gm, aten._to_copy.default, new, dtype=dtype)
+        new.meta = {**node.meta, "val": new.meta["val"]}
+        order[new] = order[node]
+        _redirect_later_uses(target, new, node, order)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)

@@ -63,6 +63,7 @@ class _Lowerer:
         self.groups = groups
         self.modules: dict[tuple, str] = {}
         self.shared: dict[tuple, fx.Node] = {}
+        self.buffers = {name for name, _ in gm.named_buffers()}  # read, never differentiated: no gradient sums
         self.forms: dict[tuple, set] = {}  # (consumer, input, producer) -> multi-axis forms the plan chose
         for c in plan.collectives:
             if c.get("form"):
@@ -116,7 +117,8 @@ class _Lowerer:
         edge (``consumer`` is the consuming node and input index).
         """
         meta = meta_of(node.meta["val"])
-        grad_axes = tuple(a for a in grad_axes if self.mesh.shape[a] > 1) if meta.is_float else ()
+        wants_grad = meta.is_float and not (node.op == "get_attr" and node.target in self.buffers)
+        grad_axes = tuple(a for a in grad_axes if self.mesh.shape[a] > 1) if wants_grad else ()
         key = (node.name, tuple(src), tuple(dst), grad_axes)
         if key not in self.shared:
             forms = self.forms.get((*consumer, node.name), set())

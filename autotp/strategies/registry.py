@@ -11,7 +11,8 @@ import operator
 
 import torch
 
-from autotp.strategies import attention, conv, embedding, loss, matmul, norms, pointwise, reductions, views
+from autotp.strategies import (attention, conv, embedding, inplace, loss, matmul, norms, pointwise, pooling,
+                               reductions, views)
 from autotp.strategies.base import RuleEntry
 
 aten = torch.ops.aten
@@ -39,7 +40,7 @@ def default_registry() -> dict:
     add(["mm"], matmul.mm_rule)
     add(["bmm"], matmul.bmm_rule)
     add(["matmul"], matmul.matmul_rule)
-    add(_UNARY + ("dropout", "pow", "gelu_", "relu_"), pointwise.unary_rule, follower=True)
+    add(_UNARY + ("dropout", "pow"), pointwise.unary_rule, follower=True)
     add(_LINEAR_UNARY + ("to", "type_as"), pointwise.linear_unary_rule, follower=True)
     add(["add", "sub"], pointwise.add_rule, follower=True)
     add(["mul"], pointwise.mul_rule, follower=True)
@@ -66,4 +67,16 @@ def default_registry() -> dict:
     add(["mean"], reductions.mean_rule)
     add(["cross_entropy_loss"], loss.cross_entropy_rule)
     add(["conv2d"], conv.conv_rule)
+    add(["batch_norm"], norms.batch_norm_rule, follower=True)
+    for spatial in (1, 2, 3):
+        add([f"max_pool{spatial}d", f"max_pool{spatial}d_with_indices", f"avg_pool{spatial}d",
+             f"adaptive_avg_pool{spatial}d", f"_adaptive_avg_pool{spatial}d"], pooling.pool_rule(spatial), follower=True)
+    add(["argmax", "argmin", "amax", "amin", "logsumexp", "var", "std", "var_mean", "std_mean"],
+        reductions.dim_reduction_rule)
+    for overload in (aten.max.dim, aten.min.dim, aten.max.default, aten.min.default):
+        reg[overload] = RuleEntry(reductions.dim_reduction_rule)
+    for overload in (aten.max.other, aten.min.other):
+        reg[overload] = RuleEntry(pointwise.unary_rule, follower=True)
+    add(["topk", "sort", "cumsum", "cumprod"], reductions.along_dim_rule)
+    add(inplace.INPLACE_UPDATES, inplace.in_place_update_rule)
     return reg
