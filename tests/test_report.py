@@ -14,6 +14,7 @@ import math
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 
 from autotp.cli import main
 from autotp.cost.profile import load_profile
@@ -58,6 +59,16 @@ def test_png_round_trips_pixels_and_text_has_ink():
     assert (width, height) == (40, 20) and pixels == bytes(canvas.pixels)
     assert pixels[(3 * 40 + 2) * 3:(3 * 40 + 2) * 3 + 3] == bytes((10, 20, 30))
     assert sum(pixels[(y * 40 + x) * 3] == 0 for y in range(2, 9) for x in range(10, 27)) > 20  # glyphs drawn
+
+
+def test_hf_models_build_the_same_real_weights_in_every_process_and_meta_when_planning():
+    spec = ModelSpec("hf:gpt2", {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64}, batch=2, seq=8)
+    (a, args, kwargs), (b, _, _) = build(spec, meta=False), build(spec, meta=False)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert args[0].shape == (2, 8) and torch.equal(kwargs["labels"], args[0])
+    assert a.config.n_positions >= 8 and a.config.resid_pdrop == 0.0
+    meta, _, _ = build(spec, meta=True, training=False)
+    assert all(p.is_meta for p in meta.parameters()) and not meta.training
 
 
 @pytest.fixture(scope="module")

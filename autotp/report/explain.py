@@ -89,10 +89,20 @@ def explain_node(graph, strategies, chosen: dict, name: str, mesh, profile, trai
         if name in graph.outputs:
             outgoing += sum(_edge_s(s.out, (R,) * mesh.ndim, meta, mesh, profile, training,
                                     op.requires_grad and meta.is_float, (), False) for meta in op.out)
-        options.append(Option(s.describe(), compute_time_s(op, s, mesh, profile, training),
+        options.append(Option(describe(s), compute_time_s(op, s, mesh, profile, training),
                               inner_time_s(op, s, mesh, profile), incoming, outgoing,
                               sum(node_memory_bytes(op, s, mesh, training).values()), s == chosen[name]))
     return options
+
+
+def _layout(layout) -> str:
+    return str(layout[0]) if len(layout) == 1 else "[" + " ".join(str(p) for p in layout) + "]"
+
+
+def describe(strategy) -> str:
+    """``([S(2) S(2)], [S(1) S(1)]) -> [P P]``: each input's layout, then the output's, one entry per mesh axis."""
+    impl = f" [{strategy.impl}]" if strategy.impl else ""
+    return f"({', '.join(_layout(layout) for layout in strategy.ins)}) -> {_layout(strategy.out)}{impl}"
 
 
 def _fmt(s: float) -> str:
@@ -106,11 +116,15 @@ def format_explanation(graph, plan, name: str, options: list[Option]) -> str:
             f"{', '.join(str(m) for m in op.in_metas) or 'none'} -> {', '.join(str(m) for m in op.out)}"]
     if name in plan.fallback_ops:
         head.append(f"replicated because {plan.fallback_ops[name]}")
+    possible = [o for o in options if not math.isinf(o.total_s) or o.chosen]
     rows = [["*" if o.chosen else "", o.strategy, _fmt(o.compute_s), _fmt(o.inner_s), _fmt(o.incoming_s),
              _fmt(o.outgoing_s), _fmt(o.total_s), format_bytes(o.memory_bytes)]
-            for o in sorted(options, key=lambda o: (o.total_s, o.strategy))]
+            for o in sorted(possible, key=lambda o: (o.total_s, o.strategy))]
     table = align(["", "strategy (inputs) -> output", "compute", "inner comm", "incoming", "outgoing", "total",
                    "memory"], rows, left=2)
     note = ["(* marks the chosen strategy; incoming/outgoing: redistributions, forward and, when training, "
             "backward, from and to the layouts the plan gave this op's neighbours)"]
+    if len(possible) < len(options):
+        note.append(f"({len(options) - len(possible)} more strategies are impossible next to these neighbours: "
+                    "they need an input in a layout its producer's cannot be turned into, such as a partial sum)")
     return "\n".join(head + table + note)
