@@ -85,8 +85,9 @@ def test_batching_issues_fewer_collectives_moving_the_same_bytes(results):
         assert batched["count"] < plain["count"], (kind, mesh, plain, batched)
         assert batched["bytes"] == plain["bytes"], (kind, mesh)
         assert not plain["starts"] and batched["starts"]
-    # data parallelism reduces the gradient of every parameter (37, 0.1 MiB): one bucket per mesh axis
-    assert per_rank[0]["data_parallel", (True, True)]["starts"]["grad_all_reduce"] == mesh.ndim
+    # data parallelism reduces the gradient of every parameter (37, 0.1 MiB): at most one bucket per mesh axis
+    # (a sum over both axes of 2x2 may run as one all-reduce over their joint group)
+    assert 1 <= per_rank[0]["data_parallel", (True, True)]["starts"]["grad_all_reduce"] <= mesh.ndim
 
 
 def test_overlap_alone_keeps_one_collective_per_step(results):
