@@ -31,7 +31,8 @@ def batch_norm_rule(op):
     vector sliced alike (the running statistics are only read). Training mode
     normally never gets here: capture writes it out as sums
     (`autotp.capture.normalize.decompose_batch_norm`), so a batch split
-    all-reduces the statistics. With ``momentum=None`` it stays whole.
+    all-reduces the statistics. ``momentum=None`` stays whole here (torch.export
+    cannot capture ``nn.BatchNorm`` with it, but a graph given as it is may hold it).
     """
     if op.args[5]:
         raise TrainingBatchNormNotSplit(
