@@ -140,6 +140,7 @@ class _Token:
 
     forward: Pending | None = None
     backward: Pending | None = None
+    needs: tuple = ()  # which inputs want a gradient: only their gradients travel in backward
 
 
 @dataclass(frozen=True)
@@ -148,8 +149,9 @@ class BatchSpec:
     comm: object
     dims: tuple = field(default=())
 
-    def start(self, phase: int, xs) -> Pending:
-        return _START[DUALS[self.kind][phase]](list(xs), self.dims, self.comm)
+    def start(self, phase: int, xs, members=None) -> Pending:
+        dims = self.dims if members is None else tuple(self.dims[i] for i in members)
+        return _START[DUALS[self.kind][phase]](list(xs), dims, self.comm)
 
 
 class _StartFn(torch.autograd.Function):
@@ -158,13 +160,15 @@ class _StartFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, token, *xs):
         ctx.token = token
+        token.needs = ctx.needs_input_grad[2:]
         token.forward = spec.start(0, xs)
         return xs[0].new_empty(0)  # only links this node to the wait node for autograd
 
     @staticmethod
     def backward(ctx, _link):
-        grads, ctx.token.backward = ctx.token.backward.finish(), None
-        return (None, None, *grads)
+        token = ctx.token
+        grads, token.backward = iter(token.backward.finish()), None
+        return (None, None, *(next(grads) if need else None for need in token.needs))
 
 
 class _WaitFn(torch.autograd.Function):
@@ -178,7 +182,8 @@ class _WaitFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.token.backward = ctx.spec.start(1, grads)
+        members = [i for i, need in enumerate(ctx.token.needs) if need]
+        ctx.token.backward = ctx.spec.start(1, [grads[i] for i in members], members)
         dtype, device = ctx.link_meta
         return None, None, torch.empty(0, dtype=dtype, device=device)
 
