@@ -5,6 +5,9 @@
   between them, NVLink inside);
 - GPT-3-175B (96 layers, hidden 12288) on 8x8 with an 80 GB limit per device.
 
+The 4x8 Llama is planned twice: with gradient reductions charged in full, and
+with ``overlap_gradients=True`` (they hide behind the backward pass, as DDP's do).
+
 Per plan: the placement of each layer parameter on each axis (identical layers
 folded into one row), the predicted step time split into compute and
 communication, memory per device by term, and planning/solve times.
@@ -25,10 +28,11 @@ import autotp  # noqa: E402
 import shapes  # noqa: E402
 from autotp.units import format_bytes  # noqa: E402
 
-CASES = {  # name -> (builder, mesh, links, profile, memory limit)
-    "70b-8": (lambda: shapes.llama2_70b(batch=1), "8", None, "h100-hgx", None),
-    "70b-4x8": (lambda: shapes.llama2_70b(batch=4), "4x8", "ethernet,nvlink", "ethernet-2node", None),
-    "175b-8x8": (lambda: shapes.gpt3_175b(batch=8), "8x8", "ethernet,nvlink", "ethernet-2node", "80GB"),
+CASES = {  # name -> (builder, mesh, links, profile, memory limit, overlap_gradients)
+    "70b-8": (lambda: shapes.llama2_70b(batch=1), "8", None, "h100-hgx", None, False),
+    "70b-4x8": (lambda: shapes.llama2_70b(batch=4), "4x8", "ethernet,nvlink", "ethernet-2node", None, False),
+    "70b-4x8-overlap": (lambda: shapes.llama2_70b(batch=4), "4x8", "ethernet,nvlink", "ethernet-2node", None, True),
+    "175b-8x8": (lambda: shapes.gpt3_175b(batch=8), "8x8", "ethernet,nvlink", "ethernet-2node", "80GB", False),
 }
 
 
@@ -42,14 +46,14 @@ def folded_parameters(plan) -> dict[tuple[str, tuple[str, ...]], int]:
 
 
 def report(name: str) -> None:
-    build, mesh, links, profile, limit = CASES[name]
+    build, mesh, links, profile, limit, overlap = CASES[name]
     model, args, kwargs = build()
     mesh = autotp.Mesh(mesh, links=links)
-    plan = autotp.plan(model, mesh, args, kwargs, profile=profile, memory_limit=limit)
+    plan = autotp.plan(model, mesh, args, kwargs, profile=profile, memory_limit=limit, overlap_gradients=overlap)
     p, mem = plan.predicted, plan.memory
     print(f"\n### {name}: {type(model).__name__}, {sum(t.numel() for t in model.parameters()) / 1e9:.1f} B "
           f"parameters, mesh {mesh} ({profile}), batch x seq {tuple(args[0].shape)}"
-          + (f", memory limit {limit}" if limit else ""))
+          + (f", memory limit {limit}" if limit else "") + (", overlap_gradients" if overlap else ""))
     print(f"\nplanned in {plan.stats['plan_s']:.1f} s (ILP solve {plan.stats['solve_s']:.2f} s, "
           f"{plan.ilp['variables']:,} variables, {plan.ilp['ops']:,} ops, "
           f"{plan.ilp.get('shared_layers', 0)} layers sharing variables); fallbacks: {len(plan.fallback_ops)}")

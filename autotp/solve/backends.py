@@ -1,9 +1,13 @@
 """Which MILP solver runs the ILP: CBC (bundled with pulp) or HiGHS (``pip install autotp[highs]``).
 
 Both are exact branch-and-bound solvers run single-threaded, so a plan is
-deterministic. HiGHS is used when it is installed because it solved every
-planning ILP we measured faster (benchmarks/plan_time.py, docs/benchmarks.md);
-CBC needs nothing beyond pulp and stays the fallback.
+deterministic. "auto" picks by what we measured (benchmarks/plan_time.py,
+benchmarks/big_plans.py, docs/planning.md): on the plain assignment ILP (the
+GPT test model on 4 and 2x2, Llama-3-8B and Llama-2-70B on 8 and 4x8) CBC is
+as fast or faster, up to 2.8x; with a memory limit, which adds a knapsack
+row, HiGHS is twice as fast (GPT-3-175B on 8x8 under 80 GB: 5.7 s against
+11.1 s). So "auto" is HiGHS under a memory limit when highspy is installed,
+and CBC otherwise.
 """
 
 from __future__ import annotations
@@ -24,12 +28,12 @@ def highs_available() -> bool:
     return importlib.util.find_spec("highspy") is not None
 
 
-def resolve(name: str) -> str:
-    """``"auto"`` becomes ``"highs"`` when highspy is installed, else ``"cbc"``."""
+def resolve(name: str, memory_limit: bool = False) -> str:
+    """``"auto"``: HiGHS under a memory limit if installed, else CBC; ``"highs"`` needs highspy."""
     if name not in SOLVERS:
         raise SolverError(f"unknown solver {name!r}: use one of {', '.join(SOLVERS)}")
     if name == "auto":
-        return "highs" if highs_available() else "cbc"
+        return "highs" if memory_limit and highs_available() else "cbc"
     if name == "highs" and not highs_available():
         raise SolverError("solver 'highs' needs highspy: pip install 'autotp[highs]' (or use solver='cbc')")
     return name

@@ -103,7 +103,7 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     ``solver`` is ``"auto"``, ``"cbc"`` or ``"highs"`` (`autotp.solve.backends`).
     Raises `MemoryInfeasible` carrying the least-memory plan when nothing fits.
     """
-    solver = backends.resolve(solver)
+    solver = backends.resolve(solver, memory_limit_bytes is not None)
     solution = _run(*_model(problem, "time", memory_limit_bytes), time_limit_s, solver)
     if solution.status == "Infeasible" and memory_limit_bytes is not None:
         smallest = _run(*_model(problem, "memory", None), None, solver)  # no limit: the error quotes this exact minimum
