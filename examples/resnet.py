@@ -156,7 +156,8 @@ def _with_float64(name: str) -> dict:
     return profile
 
 
-def _check(rank, world, plan):
+def check_rank(rank, world, plan):
+    """One rank's max errors of outputs, gradients and BatchNorm buffers against one device."""
     from autotp.runtime.verify import max_errors
 
     model, inputs = small()
@@ -181,7 +182,7 @@ def main() -> None:
           f"fallback ops: {plan.fallback_ops or 'none'}\n")
     model, inputs = small()
     small_plan = autotp.plan(model, mesh, inputs, allow=same_as(plan), profile=_with_float64("h100-hgx"))
-    errors = spawn(_check, mesh.size, small_plan, timeout_s=900)
+    errors = spawn(check_rank, mesh.size, small_plan, timeout_s=900)
     worst = {key: max(e[key] for e in errors) for key in ("output", "gradient", "buffers")}
     print(f"resnet18 (width 8) on {mesh.size} gloo processes: max output error {worst['output']:.2e}, "
           f"max gradient error {worst['gradient']:.2e}, max buffer error {worst['buffers']:.2e} "

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import autotp
 from autotp.runtime import spawn
-from autotp.runtime.verify import max_errors
 from autotp.placement import R
 from autotp.solve.constraints import data_parallel_only
 from conftest import compute_bound_profile
-from resnet import buffer_errors, small
+from resnet import check_rank, small
 
 TOLERANCE = 1e-9  # float64: see resnet.small
 
@@ -40,14 +39,6 @@ def sync_batch_norm(op, strategy) -> bool:
     return data_parallel_only(op, strategy) and not (op.op_name == "sum.dim_IntList" and strategy.ins[0] == (R,))
 
 
-def _check(rank, world, plan):
-    model, inputs = small()
-    errors = max_errors(model, plan, inputs, rank)
-    model, inputs = small()
-    errors["buffers"] = buffer_errors(model, plan, inputs, rank)
-    return errors
-
-
 def test_resnet18_data_parallel_is_exact_with_batch_norm_buffers_in_sync():
     mesh = autotp.Mesh("2")
     model, inputs = small()
@@ -59,7 +50,7 @@ def test_resnet18_data_parallel_is_exact_with_batch_norm_buffers_in_sync():
     stats = [c for c in forward if c["kind"] == "all_reduce" and c["bytes"] <= 64 * 8]
     assert len(stats) >= 2 * 20, "each of the 20 batch norms all-reduces its mean and its variance"
     assert [c["node"] for c in forward if c["kind"] == "all_gather"] == ["output"], "only the logits are gathered"
-    for rank, errors in enumerate(spawn(_check, mesh.size, plan)):
+    for rank, errors in enumerate(spawn(check_rank, mesh.size, plan)):
         where = f"rank {rank}"
         assert errors["output"] <= TOLERANCE, f"{where}: output error {errors['output']:.2e}"
         assert errors["gradient"] <= TOLERANCE, f"{where}: gradient error {errors['gradient']:.2e}"
