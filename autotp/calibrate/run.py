@@ -20,7 +20,7 @@ import torch.distributed as dist
 from autotp.calibrate.fit import fit_link
 from autotp.calibrate.measure import (COLLECTIVES, collective_time_s, launch_overhead_s, matmul_flops,
                                       memory_bandwidth_Bps)
-from autotp.calibrate.progress import Progress
+from autotp.progress import Progress
 from autotp.cost.profile import PROFILE_DIR, SCHEMA_VERSION, profile_from_dict
 from autotp.errors import MeshError
 from autotp.fileio import atomic_write_text
