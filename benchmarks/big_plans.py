@@ -18,7 +18,6 @@ Run: ``python benchmarks/big_plans.py [--only 70b-8,70b-4x8,175b-8x8]``
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import autotp  # noqa: E402
 import shapes  # noqa: E402
+from autotp.report.collapse import collapse  # noqa: E402
 from autotp.units import format_bytes  # noqa: E402
 
 CASES = {  # name -> (builder, mesh, links, profile, memory limit, overlap_gradients)
@@ -34,15 +34,6 @@ CASES = {  # name -> (builder, mesh, links, profile, memory limit, overlap_gradi
     "70b-4x8-overlap": (lambda: shapes.llama2_70b(batch=4), "4x8", "ethernet,nvlink", "ethernet-2node", None, True),
     "175b-8x8": (lambda: shapes.gpt3_175b(batch=8), "8x8", "ethernet,nvlink", "ethernet-2node", "80GB", False),
 }
-
-
-def folded_parameters(plan) -> dict[tuple[str, tuple[str, ...]], int]:
-    """``(model.layers.*.mlp.up_proj.weight, placements) -> layers``: identical layers in one row."""
-    rows: dict[tuple[str, tuple[str, ...]], int] = {}
-    for fqn, layout in plan.parameters.items():
-        key = (re.sub(r"\.\d+\.", ".*.", fqn), tuple(layout))
-        rows[key] = rows.get(key, 0) + 1
-    return rows
 
 
 def report(name: str) -> None:
@@ -64,8 +55,8 @@ def report(name: str) -> None:
     print("\nmemory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()))
     print(f"\n| parameter | {' | '.join(mesh.names)} | layers |")
     print("|---|" + "---|" * len(mesh.names) + "---|")
-    for (key, layout), count in folded_parameters(plan).items():
-        print(f"| {key} | {' | '.join(layout)} | {count} |")
+    for row in collapse(list(plan.parameters.items())):  # identical layers folded, as `autotp plan` does
+        print(f"| {row.name} | {' | '.join(row.values)} | {row.count} |")
 
 
 def main() -> None:
