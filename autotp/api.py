@@ -44,7 +44,8 @@ def _as_tuple(example_inputs) -> tuple:
 def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool = True,
          profile=DEFAULT_PROFILE, pin: dict | None = None, allow=None, registry=None,
          time_limit_s: float | None = None, memory_limit=None, overlap_gradients: bool = False,
-         share_layers: bool = True, solver: str = "auto", progress: Stages | None = None) -> Plan:
+         share_layers: bool = True, solver: str = "auto", replay_layers: bool = True,
+         progress: Stages | None = None) -> Plan:
     """Choose a placement for every parameter and op of ``model`` on ``mesh``.
 
     ``pin`` fixes parameter placements (``{"fc1.weight": ("S(0)",)}``) and lets
@@ -62,14 +63,17 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     stays flat as depth grows (see `autotp.solve.layers`). ``solver`` is
     ``"auto"`` (HiGHS under a memory limit when highspy is installed, else
     CBC: the faster on each kind of problem we measured), ``"cbc"`` or ``"highs"``.
+    ``replay_layers`` traces the first few of a deep stack of identical layers
+    and copies the last for the rest, after checking that they repeat
+    (`autotp.capture.replay`; the plan records it, so `parallelize` captures alike).
     """
     started, stages = time.perf_counter(), stages_or_silent(progress)
     mesh, profile = as_mesh(mesh), load_profile(profile)
     example_inputs, example_kwargs = _as_tuple(example_inputs), dict(example_kwargs or {})
     with stages.stage("capturing") as stage:
-        gm = capture(model, example_inputs, example_kwargs)
+        gm = capture(model, example_inputs, example_kwargs, replay_layers=replay_layers)
         graph = build_opgraph(gm, _placeholder_grads(gm, example_inputs, example_kwargs))
-        stage.detail = f"{len(graph):,} ops"
+        stage.detail = f"{len(graph):,} ops{_replay_detail(gm)}"
     with stages.stage("enumerating strategies") as stage:
         strategies = enumerate_strategies(graph, mesh.shape, registry or default_registry())
         apply_constraints(graph, strategies, pin, allow)
@@ -84,13 +88,28 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
         except MemoryInfeasible as exc:
             raise memory_limit_error(graph, problem, exc.smallest, mesh, training, limit) from None
         stage.detail = f"{solution.variables:,} variables"
-    result = assemble_plan(graph, problem, solution, mesh, profile, training,
-                           example_specs(example_inputs, example_kwargs))
+    specs = example_specs(example_inputs, example_kwargs)
+    specs["replay_layers"] = replay_layers
+    result = assemble_plan(graph, problem, solution, mesh, profile, training, specs)
     result.scopes = node_scopes(gm)
     result.stats = {"plan_s": time.perf_counter() - started, "solve_s": solution.solve_s,
                     "stages_s": dict(stages.times), "solver": resolve_solver(solver, limit is not None),
-                    "gap": solution.gap or 0.0}  # > 0 only when time_limit_s stopped the solver early
+                    "gap": solution.gap or 0.0,  # > 0 only when time_limit_s stopped the solver early
+                    "capture": gm.meta["autotp_capture"]}
     return result
+
+
+def _replay_detail(gm) -> str:
+    """`` (76 layers replayed)`` or `` (traced in full: <why>)`` for the capture stage's progress line."""
+    report = gm.meta["autotp_capture"]
+    if report["replayed"]:
+        return f" ({sum(report['replayed'].values())} layers replayed)"
+    return f" (traced in full: {report['traced_in_full']})" if report["traced_in_full"] else ""
+
+
+def replays_layers(plan: Plan) -> bool:
+    """Whether ``plan`` was captured with layer replay; plans saved before it existed were not."""
+    return bool(plan.inputs.get("replay_layers", False))
 
 
 _HINTS = {
@@ -137,7 +156,7 @@ def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, batc
     groups = mesh_groups(plan.mesh) if groups is None else groups
     rank = dist.get_rank() if rank is None else rank
     args, kwargs = inputs_from_specs(plan.inputs, device=_device_of(model))
-    gm = capture(model, args, kwargs)
+    gm = capture(model, args, kwargs, replay_layers=replays_layers(plan))
     loader = prepare_weights(gm, weights, plan.mesh.shape, device) if weights is not None else None
     local = lower(gm, plan, rank, groups, batch=batch_collectives, overlap=overlap, counter=counter,
                   load_shard=loader)

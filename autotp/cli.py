@@ -184,6 +184,7 @@ def cmd_explain(args) -> int:
     """Why an op (or the ops consuming a parameter) got its placement: every strategy it had, costed."""
     from autotp.cost.profile import load_profile as load
     from autotp.report.explain import explain_node, format_explanation, resolve
+    from autotp.api import replays_layers
     from autotp.report.rebuild import all_strategies, chosen_strategies, rebuild_graph
 
     saved = _saved_plan(args.plan)
@@ -192,7 +193,7 @@ def cmd_explain(args) -> int:
     spec = ModelSpec.from_source(saved.source)
     with stages.stage(f"rebuilding {spec.model}"):
         model, inputs, kwargs = build(spec, meta=True, training=saved.training)
-        graph = rebuild_graph(model, inputs, kwargs)
+        graph = rebuild_graph(model, inputs, kwargs, replay_layers=replays_layers(saved))
         strategies = all_strategies(graph, saved.mesh)
         chosen = chosen_strategies(graph, strategies, saved)
     if len(chosen) != len(graph):

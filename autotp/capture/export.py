@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from autotp.capture.hf import capture_settings
 from autotp.capture.normalize import normalize
+from autotp.capture.replay import TRACED, NotReplayable, check, find_stacks, per_layer_config, replay, truncated
 from autotp.dtypes import check_dtype, dtype_name, parse_dtype
 from autotp.errors import CaptureError, InputError
 
@@ -102,16 +103,45 @@ def check_graph_dtypes(gm: fx.GraphModule) -> None:
                             "Hugging Face's Llama does)")
 
 
-def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> fx.GraphModule:
+def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None, *,
+            replay_layers: bool = True) -> fx.GraphModule:
     """Export ``model`` at ATen level and return its normalized, trainable GraphModule.
 
     Example inputs may be real, ``meta`` or fake tensors; only their shapes and
     dtypes matter. Raises :class:`CaptureError` naming the failing line.
+    ``replay_layers`` traces only the first layers of a deep stack of identical
+    layers and replays them for the rest (`autotp.capture.replay`: checked,
+    with a full trace as the fallback); ``gm.meta["autotp_capture"]`` says
+    what was replayed, or why not.
     """
     example_kwargs = dict(example_kwargs or {})
     if not isinstance(example_inputs, tuple):
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
     check_inputs(model, example_inputs, example_kwargs)
+    stacks = find_stacks(model) if replay_layers else []
+    reason = per_layer_config(model, stacks) if stacks else None
+    gm, report = None, {"replayed": {}, "traced_in_full": reason}
+    if stacks and reason is None:
+        try:
+            with truncated(model, stacks):
+                gm = _export(model, example_inputs, example_kwargs)
+            checked = [(stack, check(gm, stack)) for stack in stacks]
+        except (NotReplayable, CaptureError) as exc:  # a forward that needs every layer: trace them all
+            gm, report["traced_in_full"] = None, str(exc)
+        else:
+            for stack, layers in checked:
+                replay(gm, stack, layers)
+                report["replayed"][stack.path] = len(stack) - TRACED
+    if gm is None:
+        gm = _export(model, example_inputs, example_kwargs)
+    merge_tied_parameters(gm, {id(p): name for name, p in model.named_parameters()})
+    normalize(gm)  # lints and recompiles once for every pass above: each recompile of 80 layers costs ~1 s
+    gm.meta["autotp_capture"] = report
+    return gm
+
+
+def _export(model, example_inputs: tuple, example_kwargs: dict) -> fx.GraphModule:
+    """``torch.export`` (non-strict) of ``model``, unlifted to a GraphModule without its input guards."""
     try:
         with capture_settings(model):
             program = torch.export.export(model, example_inputs, example_kwargs, strict=False)
@@ -120,8 +150,6 @@ def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None) -> f
     check_graph_dtypes(program.graph_module)
     gm = program.module()
     _drop_guards(gm)
-    merge_tied_parameters(gm, {id(p): name for name, p in model.named_parameters()})
-    normalize(gm)  # lints and recompiles once for every pass above: each recompile of 80 layers costs ~1 s
     return gm
 
 

@@ -15,10 +15,13 @@ from autotp.strategies import default_registry, enumerate_strategies
 from autotp.strategies.enumerate import prune_unreachable
 
 
-def rebuild_graph(model, example_inputs=(), example_kwargs=None):
-    """The `OpGraph` `autotp.plan` builds for these inputs (node names match the plan's)."""
+def rebuild_graph(model, example_inputs=(), example_kwargs=None, replay_layers: bool = True):
+    """The `OpGraph` `autotp.plan` builds for these inputs (node names match the plan's).
+
+    ``replay_layers`` must be what the plan was captured with (`autotp.api.replays_layers`).
+    """
     example_inputs, example_kwargs = _as_tuple(example_inputs), dict(example_kwargs or {})
-    gm = capture(model, example_inputs, example_kwargs)
+    gm = capture(model, example_inputs, example_kwargs, replay_layers=replay_layers)
     return build_opgraph(gm, _placeholder_grads(gm, example_inputs, example_kwargs))
 
 
