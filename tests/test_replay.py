@@ -134,12 +134,23 @@ def test_uniform_layers_replay_and_short_stacks_do_not():
     assert _capture(Deep(layers=7, layer_types=["full"] * 7)).meta["autotp_capture"]["replayed"] == {"layers": 3}
 
 
-def _run(rank, world, plans):
-    model, args, _ = gpt(6)
-    return [max_errors(model, p, args, rank) for p in plans]
+def _llama():
+    model, args, kwargs = hf_models.build("llama", layers=5, heads=4, kv_heads=2)
+    return model, args, kwargs
 
 
-def test_a_plan_on_a_replayed_graph_runs_exactly():
+BUILDERS = {"gpt": lambda: gpt(6), "llama": _llama}
+
+
+def _run(rank, world, cases):
+    errors = []
+    for name, plan in cases:
+        model, args, kwargs = BUILDERS[name]()
+        errors.append(max_errors(model, plan, args, rank, kwargs=kwargs) | {"n": len(list(model.parameters()))})
+    return errors
+
+
+def test_plans_on_replayed_graphs_run_exactly():
     model, args, _ = gpt(6)
     replayed = autotp.plan(model, "2", args, profile=compute_bound_profile())
     full = autotp.plan(model, "2", args, profile=compute_bound_profile(), replay_layers=False)
@@ -148,8 +159,10 @@ def test_a_plan_on_a_replayed_graph_runs_exactly():
     assert any("S(" in layout[0] for layout in replayed.parameters.values())
     reloaded = Plan.from_dict(replayed.to_dict())  # parallelize captures as the plan says, also after a reload
     assert reloaded.inputs["replay_layers"] is True and full.inputs["replay_layers"] is False
-    n_params = len(list(model.parameters()))
-    for rank_errors in spawn(_run, 2, [reloaded, full]):
+    llama, args, kwargs = _llama()
+    llama_plan = autotp.plan(llama, "2", args, kwargs, profile=compute_bound_profile())
+    assert llama_plan.stats["capture"]["replayed"] == {"model.layers": 1}
+    for rank_errors in spawn(_run, 2, [("gpt", reloaded), ("gpt", full), ("llama", llama_plan)]):
         for errors in rank_errors:
             assert errors["output"] <= 1e-5 and errors["gradient"] <= 1e-5
-            assert errors["parameters"] == n_params
+            assert errors["parameters"] == errors["n"]
