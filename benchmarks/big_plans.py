@@ -12,7 +12,7 @@ Per plan: the placement of each layer parameter on each axis (identical layers
 folded into one row), the predicted step time split into compute and
 communication, memory per device by term, and planning/solve times.
 
-Run: ``python benchmarks/big_plans.py [--only 70b-8,70b-4x8,175b-8x8]``
+Run: ``python benchmarks/big_plans.py [--only 70b-8,70b-4x8,175b-8x8] [--solver auto|cbc|highs]``
 """
 
 from __future__ import annotations
@@ -36,16 +36,18 @@ CASES = {  # name -> (builder, mesh, links, profile, memory limit, overlap_gradi
 }
 
 
-def report(name: str) -> None:
+def report(name: str, solver: str = "auto") -> None:
     build, mesh, links, profile, limit, overlap = CASES[name]
     model, args, kwargs = build()
     mesh = autotp.Mesh(mesh, links=links)
-    plan = autotp.plan(model, mesh, args, kwargs, profile=profile, memory_limit=limit, overlap_gradients=overlap)
+    plan = autotp.plan(model, mesh, args, kwargs, profile=profile, memory_limit=limit, overlap_gradients=overlap,
+                       solver=solver)
     p, mem = plan.predicted, plan.memory
     print(f"\n### {name}: {type(model).__name__}, {sum(t.numel() for t in model.parameters()) / 1e9:.1f} B "
           f"parameters, mesh {mesh} ({profile}), batch x seq {tuple(args[0].shape)}"
           + (f", memory limit {limit}" if limit else "") + (", overlap_gradients" if overlap else ""))
-    print(f"\nplanned in {plan.stats['plan_s']:.1f} s (ILP solve {plan.stats['solve_s']:.2f} s, "
+    print(f"\nplanned in {plan.stats['plan_s']:.1f} s (ILP solve {plan.stats['solve_s']:.2f} s with "
+          f"{plan.stats['solver']}, "
           f"{plan.ilp['variables']:,} variables, {plan.ilp['ops']:,} ops, "
           f"{plan.ilp.get('shared_layers', 0)} layers sharing variables); fallbacks: {len(plan.fallback_ops)}")
     hidden = p.get("hidden_comm_s", 0) + p.get("batching_saved_s", 0) + p.get("overlap_hidden_s", 0)
@@ -62,8 +64,10 @@ def report(name: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default=",".join(CASES))
-    for name in parser.parse_args().only.split(","):
-        report(name)
+    parser.add_argument("--solver", default="auto", choices=["auto", "cbc", "highs"])
+    args = parser.parse_args()
+    for name in args.only.split(","):
+        report(name, args.solver)
 
 
 if __name__ == "__main__":

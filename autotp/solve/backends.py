@@ -4,10 +4,16 @@ Both are exact branch-and-bound solvers run single-threaded, so a plan is
 deterministic. "auto" picks by what we measured (benchmarks/plan_time.py,
 benchmarks/big_plans.py, docs/planning.md): on the plain assignment ILP (the
 GPT test model on 4 and 2x2, Llama-3-8B and Llama-2-70B on 8 and 4x8) CBC is
-as fast or faster, up to 2.8x; with a memory limit, which adds a knapsack
-row, HiGHS is twice as fast (GPT-3-175B on 8x8 under 80 GB: 5.7 s against
-11.1 s). So "auto" is HiGHS under a memory limit when highspy is installed,
-and CBC otherwise.
+as fast or faster; with a memory limit, which adds a knapsack row, HiGHS was
+twice as fast before `autotp.solve.reduce` and the options below (GPT-3-175B
+on 8x8 under 80 GB: 5.7 s against 11.1 s; now 1.4 s and 1.5 s). So "auto" is
+HiGHS under a memory limit when highspy is installed, and CBC otherwise.
+
+Two options, neither of which loosens optimality (the gap stays 0), halve
+the solve under a memory limit: HiGHS without presolve (on these ILPs it
+removes little, costs a second, and restarts the search once reduced-cost
+fixing bites) and CBC without its feasibility pump (seconds spent before the
+branching that proves the optimum; its other heuristics still run).
 """
 
 from __future__ import annotations
@@ -42,10 +48,11 @@ def resolve(name: str, memory_limit: bool = False) -> str:
 def command(name: str, time_limit_s: float | None):
     """The pulp solver object for ``name`` (already resolved), single-threaded, silent, exact gap."""
     if name == "highs":
-        highs = _QuietHiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=0.0)
+        highs = _QuietHiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=0.0, presolve="off")
         highs.warm_start = time_limit_s is not None  # as CBC's warmStart: see autotp.solve.gap
         return highs
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, warmStart=time_limit_s is not None)
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, warmStart=time_limit_s is not None,
+                             options=["feas off"])
 
 
 class _QuietHiGHS(pulp.HiGHS):

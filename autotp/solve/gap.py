@@ -30,6 +30,17 @@ from autotp.errors import SolverGapWarning
 LP_MIN_LIMIT_S = 10.0  # the relaxation is one LP, far cheaper than the integer search it bounds
 
 
+def replicated_choices(problem) -> dict[str, int]:
+    """Each group's first possible (finite-cost) choice that replicates every member, where it has one."""
+    choices = {}
+    for name, group in problem.groups.items():
+        replicated = next((c for c in range(group.n) if not math.isinf(group.cost_s[c])
+                           and all(problem.strategy(member, c).is_replicated for member in group.choices)), None)
+        if replicated is not None:
+            choices[name] = replicated
+    return choices
+
+
 def warm_start_replicated(problem, x: dict) -> int:
     """Set pulp initial values so that each group starts on its fully replicated choice.
 
@@ -39,13 +50,9 @@ def warm_start_replicated(problem, x: dict) -> int:
     groups were given a start.
     """
     started = 0
-    for name, variables in x.items():
-        group = problem.groups.get(name)
-        if group is None:
-            continue
-        replicated = next((c for c in variables
-                           if all(problem.strategy(member, c).is_replicated for member in group.choices)), None)
-        if replicated is None:
+    for name, replicated in replicated_choices(problem).items():
+        variables = x.get(name, {})
+        if replicated not in variables:
             continue
         for c, var in variables.items():
             var.setInitialValue(1 if c == replicated else 0)

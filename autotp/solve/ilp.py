@@ -4,7 +4,9 @@ Linearisation (Alpa's row/column-sum encoding): for an edge between groups u
 and v, continuous ``y[i][j] >= 0`` with ``sum_j y[i][j] = x_u[i]`` and
 ``sum_i y[i][j] = x_v[j]``. With one-hot ``x`` this forces ``y`` to the one
 chosen pair, and the LP relaxation stays tight. Pairs that cannot happen
-(infinite cost) get no variable. Variables are named after fx nodes.
+(infinite cost) get no variable, nor do the choices and pairs that dead-end
+elimination proves unneeded (`autotp.solve.reduce`: the same optimum, often
+half the variables). Variables are named after fx nodes.
 Coefficients are scaled to microseconds and MiB for the solver's tolerances;
 the objective is reported in seconds. A memory limit is one more linear
 constraint: the sum over groups of each choice's bytes per device.
@@ -20,8 +22,10 @@ import pulp
 
 from autotp.errors import SolverError
 from autotp.solve import backends
-from autotp.solve.gap import complete_start, lp_relaxation_bound, optimality_gap, warm_start_replicated, warn_gap
+from autotp.solve.gap import (complete_start, lp_relaxation_bound, optimality_gap, replicated_choices,
+                              warm_start_replicated, warn_gap)
 from autotp.solve.problem import Problem
+from autotp.solve.reduce import possible, reduce_problem
 
 _SCALE = 1e6  # seconds -> microseconds inside the solver
 _BYTES = 2 ** 20  # bytes -> MiB inside the solver
@@ -50,12 +54,21 @@ class MemoryInfeasible(Exception):
         self.smallest = smallest
 
 
-def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None):
-    """The ILP minimising step time (``"time"``) or per-device memory (``"memory"``)."""
+def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, reduce: bool = True):
+    """The ILP minimising step time (``"time"``) or per-device memory (``"memory"``).
+
+    ``reduce``: only the choices and pairs `reduce_problem` leaves get variables;
+    the replicated plan is kept among them, as the warm start of a time-limited solve.
+    """
     lp = pulp.LpProblem("autotp", pulp.LpMinimize)
     x, objective, memory, overlap, backward = {}, [], [], [], []
+    reduced = possible(problem)
+    if reduce:
+        reduced = reduce_problem(problem, time=minimise == "time",
+                                 memory=minimise == "memory" or memory_limit_bytes is not None,
+                                 keep=replicated_choices(problem))
     for name, group in problem.groups.items():
-        allowed = [c for c in range(group.n) if not math.isinf(group.cost_s[c])]
+        allowed = reduced.choices[name]
         if not allowed:
             raise SolverError(f"op {name!r} has no strategy with a finite cost; this is a bug, please report it")
         x[name] = {c: pulp.LpVariable(f"x_{_safe(name)}_{c}", cat="Binary") for c in allowed}
@@ -66,7 +79,7 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None):
         backward += [group.backward_s[c] * _SCALE * v for c, v in x[name].items() if group.backward_s[c]]
     for (gu, gv), table in problem.edges.items():
         tag = f"{_safe(gu)}__{_safe(gv)}"
-        y = _pair_variables(lp, x[gu], x[gv], table, tag)
+        y = _pair_variables(lp, x[gu], x[gv], reduced.pairs[gu, gv], tag)
         objective += _terms(y, table)
         overlap += _terms(y, problem.overlap_edges.get((gu, gv)))
     if overlap:  # gradient reductions cost only what the backward compute cannot hide
@@ -97,16 +110,19 @@ def _run(lp, x, time_limit_s, solver: str = "cbc") -> Solution:
 
 
 def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_bytes: float | None = None,
-          solver: str = "auto") -> Solution:
+          solver: str = "auto", reduce: bool = True) -> Solution:
     """Pick one strategy per group minimising total predicted step time, within the memory limit.
 
     ``solver`` is ``"auto"``, ``"cbc"`` or ``"highs"`` (`autotp.solve.backends`).
+    ``reduce=False`` skips dead-end elimination (`autotp.solve.reduce`): the
+    same optimum from a larger ILP, for tests and comparisons.
     Raises `MemoryInfeasible` carrying the least-memory plan when nothing fits.
     """
     solver = backends.resolve(solver, memory_limit_bytes is not None)
-    solution = _run(*_model(problem, "time", memory_limit_bytes), time_limit_s, solver)
+    solution = _run(*_model(problem, "time", memory_limit_bytes, reduce), time_limit_s, solver)
     if solution.status == "Infeasible" and memory_limit_bytes is not None:
-        smallest = _run(*_model(problem, "memory", None), None, solver)  # no limit: the error quotes this exact minimum
+        # no limit: the error quotes this exact minimum
+        smallest = _run(*_model(problem, "memory", None, reduce), None, solver)
         if time_limit_s is None or smallest.objective_s * _BYTES > memory_limit_bytes:
             raise MemoryInfeasible(smallest)
         # a CBC stopped by its time limit can call a feasible problem infeasible: report the limit instead
@@ -122,10 +138,9 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
                     solution.solve_s, solution.status, solution.gap)
 
 
-def _pair_variables(lp, xu: dict, xv: dict, table, tag: str) -> dict:
-    """Edge-pair variables and their row/column-sum constraints; impossible pairs get none."""
-    y = {(i, j): pulp.LpVariable(f"y_{tag}_{i}_{j}", lowBound=0)
-         for i in xu for j in xv if not math.isinf(table[i][j])}
+def _pair_variables(lp, xu: dict, xv: dict, kept, tag: str) -> dict:
+    """Edge-pair variables and their row/column-sum constraints; only ``kept[i][j]`` pairs get one."""
+    y = {(i, j): pulp.LpVariable(f"y_{tag}_{i}_{j}", lowBound=0) for i in xu for j in xv if kept[i][j]}
     for i, var in xu.items():
         lp += pulp.lpSum(y[i, j] for j in xv if (i, j) in y) == var, f"row_{tag}_{i}"
     for j, var in xv.items():
