@@ -83,6 +83,7 @@ def _criteria(problem: Problem, time: bool, memory: bool) -> list[tuple[dict, di
             criteria.append(({g: [-b for b in grp.backward_s] for g, grp in groups.items()}, {}))
     if memory:
         criteria.append(({g: grp.memory_bytes for g, grp in groups.items()}, {}))
+
     def finite(values):  # an infinite cost is an impossible choice or pair: the masks exclude it
         return np.nan_to_num(np.array(values, dtype=float), posinf=0.0)
 
