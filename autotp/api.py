@@ -62,7 +62,8 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     ``share_layers`` gives identical layers one choice in the ILP, so solve time
     stays flat as depth grows (see `autotp.solve.layers`). ``solver`` is
     ``"auto"`` (HiGHS under a memory limit when highspy is installed, else
-    CBC: the faster on each kind of problem we measured), ``"cbc"`` or ``"highs"``.
+    CBC; after dead-end elimination the two are about equally fast), ``"cbc"``
+    or ``"highs"``.
     ``replay_layers`` traces the first few of a deep stack of identical layers
     and copies the last for the rest, after checking that they repeat
     (`autotp.capture.replay`; the plan records it, so `parallelize` captures alike).

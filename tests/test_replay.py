@@ -91,10 +91,10 @@ class Block(nn.Module):
 
 class Deep(nn.Module):
     def __init__(self, layers: int = 6, variant: str = "", collect: bool = False, layer_types=None,
-                 again: int | None = None):
+                 again: int | None = None, read_last: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(Block(i, variant) for i in range(layers))
-        self.collect, self.again = collect, again
+        self.collect, self.again, self.read_last = collect, again, read_last
         if layer_types is not None:
             self.config = types.SimpleNamespace(layer_types=layer_types)
 
@@ -105,6 +105,8 @@ class Deep(nn.Module):
             seen.append(x)
         if self.again is not None:  # a forward that names a layer past the traced ones
             x = self.layers[self.again](x)
+        if self.read_last:  # the last layer's weight, read from outside the stack
+            x = x @ self.layers[-1].fc.weight
         return torch.stack(seen).sum(0) if self.collect else x
 
 
@@ -119,6 +121,7 @@ def _capture(model):
     (Deep(collect=True), "from outside"),
     (Deep(layer_types=["local", "global"] * 3), "config.layer_types differs between layers"),
     (Deep(again=5), "IndexError"),
+    (Deep(read_last=True), "from outside layers"),
 ])
 def test_layers_that_do_not_repeat_are_traced_in_full(model, reason):
     gm = _capture(model)

@@ -218,6 +218,9 @@ def check(gm: fx.GraphModule, stack: Stack) -> _Layers:
             if a in layers.where and layers.where[a][0] != TRACED - 1:
                 raise NotReplayable(f"{node.name} reads layer {layers.where[a][0]} of {stack.path} from outside "
                                     "it (only the last layer's output may leave the stack)")
+            if a.op == "get_attr" and str(a.target).startswith(stack.path + "."):
+                raise NotReplayable(f"{node.name} reads {a.target} from outside {stack.path} (self.layers[-1] "
+                                    "would name another layer in the cut model)")
     return layers
 
 
