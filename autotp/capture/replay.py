@@ -117,9 +117,6 @@ def truncated(model: torch.nn.Module, stacks: list[Stack], n: int = TRACED):
             parent._modules[name] = full
 
 
-_INDEXED = re.compile(r"^(.*?)\.(\d+)(\..*)?$")
-
-
 class _Layers:
     """Where each traced layer's ops sit in the graph of the truncated model."""
 
@@ -235,8 +232,8 @@ def _renumber(meta: dict, path: str, old: int, new: int) -> dict:
     return meta
 
 
-def _attach(gm: fx.GraphModule, target: str, tensor: torch.Tensor, owner: torch.nn.Module, name: str) -> None:
-    """Register ``tensor`` on ``gm`` at ``target`` as the parameter or buffer it is on ``owner``."""
+def _attach(gm: fx.GraphModule, target: str, tensor: torch.Tensor, persistent: bool) -> None:
+    """Register ``tensor`` on ``gm`` at ``target``: a parameter as a parameter, anything else as a buffer."""
     *parents, leaf = target.split(".")
     module = gm
     for part in parents:
@@ -246,17 +243,16 @@ def _attach(gm: fx.GraphModule, target: str, tensor: torch.Tensor, owner: torch.
     if isinstance(tensor, torch.nn.Parameter):
         module.register_parameter(leaf, tensor)
     else:
-        module.register_buffer(leaf, tensor, persistent=name not in owner._non_persistent_buffers_set)
+        module.register_buffer(leaf, tensor, persistent=persistent)
 
 
 def _attach_layer(gm: fx.GraphModule, stack: Stack, k: int) -> None:
-    layer = stack.layers[k]
-    for module_name, module in layer.named_modules():
-        tensors = list(module._parameters.items()) + list(module._buffers.items())
-        for name, tensor in tensors:
+    """Layer ``k``'s own parameters and buffers (the model's tensors) on ``gm``, under their full names."""
+    for module_name, module in stack.layers[k].named_modules():
+        for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
             if tensor is not None:
                 path = ".".join(p for p in (stack.path, str(k), module_name, name) if p)
-                _attach(gm, path, tensor, module, name)
+                _attach(gm, path, tensor, persistent=name not in module._non_persistent_buffers_set)
 
 
 def replay(gm: fx.GraphModule, stack: Stack, layers: _Layers) -> None:

@@ -62,11 +62,9 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
     """
     lp = pulp.LpProblem("autotp", pulp.LpMinimize)
     x, objective, memory, overlap, backward = {}, [], [], [], []
-    reduced = possible(problem)
-    if reduce:
-        reduced = reduce_problem(problem, time=minimise == "time",
-                                 memory=minimise == "memory" or memory_limit_bytes is not None,
-                                 keep=replicated_choices(problem))
+    reduced = reduce_problem(problem, time=minimise == "time",
+                             memory=minimise == "memory" or memory_limit_bytes is not None,
+                             keep=replicated_choices(problem)) if reduce else possible(problem)
     for name, group in problem.groups.items():
         allowed = reduced.choices[name]
         if not allowed:
