@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.utils import _pytree as pytree
@@ -20,7 +21,6 @@ from autotp.report.scopes import node_scopes
 from autotp.runtime.groups import mesh_groups
 from autotp.solve.assemble import assemble_plan, chosen_strategies
 from autotp.solve.constraints import apply_constraints
-from autotp.solve.backends import resolve as resolve_solver
 from autotp.solve.ilp import MemoryInfeasible, solve
 from autotp.solve.plan import Plan
 from autotp.solve.problem import build_problem
@@ -41,62 +41,113 @@ def _as_tuple(example_inputs) -> tuple:
     return tuple(example_inputs)
 
 
+AUTO = "auto"
+MEMORY_RESERVE = 0.05  # of the device's memory, kept back by the default limit: CUDA context, allocator, NCCL buffers
+
+
+def default_memory_limit(profile, training: bool) -> int | None:
+    """A training plan must fit the device: its memory less `MEMORY_RESERVE`. Inference plans have no default."""
+    return int(profile.device["memory_bytes"] * (1 - MEMORY_RESERVE)) if training else None
+
+
 def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool = True,
          profile=DEFAULT_PROFILE, pin: dict | None = None, allow=None, registry=None,
-         time_limit_s: float | None = None, memory_limit=None, overlap_gradients: bool = False,
-         share_layers: bool = True, solver: str = "auto", replay_layers: bool = True,
-         progress: Stages | None = None) -> Plan:
-    """Choose a placement for every parameter and op of ``model`` on ``mesh``.
+         time_limit_s: float | None = None, memory_limit=AUTO, overlap_gradients: bool = True,
+         bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True, solver: str = "auto",
+         replay_layers: bool = True, progress: Stages | None = None) -> Plan:
+    """Choose a placement for every parameter and op of ``model`` on ``mesh``: the fastest step that fits.
 
     ``pin`` fixes parameter placements (``{"fc1.weight": ("S(0)",)}``) and lets
     the ILP choose the rest; ``allow(op, strategy)`` keeps only some strategies
     (see ``autotp.solve.constraints``). Nothing is allocated: ``model`` and the
-    inputs may live on the ``meta`` device. ``memory_limit`` (``"80GB"`` or
-    bytes) bounds the predicted memory per device (parameters, gradients, Adam
-    state and saved activations); when nothing fits, `MemoryLimitError` says
-    the least any plan needs and which term dominates it.
-    ``overlap_gradients=True`` lets the reduction of parameter gradients hide
-    behind the backward compute, as DDP's bucketed all-reduce does (off by
-    default: see docs/cost-model.md). ``progress`` (an `autotp.progress.Stages`)
-    reports each stage and its time on stderr; by default nothing is printed.
-    ``share_layers`` gives identical layers one choice in the ILP, so solve time
-    stays flat as depth grows (see `autotp.solve.layers`). ``solver`` is
-    ``"auto"`` (HiGHS under a memory limit when highspy is installed, else
-    CBC; after dead-end elimination the two are about equally fast), ``"cbc"``
-    or ``"highs"``.
+    inputs may live on the ``meta`` device.
+
+    The ILP minimises the step time the plan reports (``predicted["total_s"]``),
+    priced as `parallelize` runs the plan by default (docs/cost-model.md):
+
+    * ``overlap_gradients``: the gradient sums of data parallelism run in
+      buckets of ``bucket_cap_mb`` (DDP's 25 MiB) behind the backward pass;
+      False runs (and prices) them where they are used;
+    * ``whole_outputs``: every output comes back replicated; by default an
+      output stays as produced (a batch split stays split, as with DDP) and
+      only partial sums are summed; ``plan.io`` says each output's layout;
+    * ``memory_limit`` (``"80GB"`` or bytes) bounds the predicted memory per
+      device (parameters, gradients, Adam state and saved activations). The
+      default, ``"auto"``, is the profile's device memory less 5% for training
+      plans and none for inference; ``None`` lifts it. When nothing fits,
+      `MemoryLimitError` says the least any plan needs and which term dominates it.
+
+    ``progress`` (an `autotp.progress.Stages`) reports each stage and its time
+    on stderr; by default nothing is printed. ``share_layers`` gives identical
+    layers one choice in the ILP, so solve time stays flat as depth grows
+    (`autotp.solve.layers`). ``solver`` is ``"auto"`` (HiGHS under a binding
+    memory limit when highspy is installed, else CBC), ``"cbc"`` or ``"highs"``.
     ``replay_layers`` traces the first few of a deep stack of identical layers
     and copies the last for the rest, after checking that they repeat
     (`autotp.capture.replay`; the plan records it, so `parallelize` captures alike).
     """
     started, stages = time.perf_counter(), stages_or_silent(progress)
-    mesh, profile = as_mesh(mesh), load_profile(profile)
+    captured = capture_model(model, example_inputs, example_kwargs, replay_layers, stages)
+    result = plan_captured(captured, mesh, training=training, profile=profile, pin=pin, allow=allow,
+                           registry=registry, time_limit_s=time_limit_s, memory_limit=memory_limit,
+                           overlap_gradients=overlap_gradients, bucket_cap_mb=bucket_cap_mb,
+                           whole_outputs=whole_outputs, share_layers=share_layers, solver=solver, progress=stages)
+    result.stats["plan_s"] = time.perf_counter() - started
+    return result
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A model captured once, to be planned several ways (autotp's plan and its baselines)."""
+
+    gm: torch.fx.GraphModule
+    graph: object  # OpGraph
+    specs: dict  # the example inputs' shapes, saved with the plan
+
+
+def capture_model(model, example_inputs=(), example_kwargs=None, replay_layers: bool = True,
+                  progress: Stages | None = None) -> Captured:
+    """Stage 1 of `plan`: the model's ATen graph and `OpGraph` (see `autotp.capture`)."""
+    stages = stages_or_silent(progress)
     example_inputs, example_kwargs = _as_tuple(example_inputs), dict(example_kwargs or {})
     with stages.stage("capturing") as stage:
         gm = capture(model, example_inputs, example_kwargs, replay_layers=replay_layers)
         graph = build_opgraph(gm, _placeholder_grads(gm, example_inputs, example_kwargs))
         stage.detail = f"{len(graph):,} ops{_replay_detail(gm)}"
+    specs = example_specs(example_inputs, example_kwargs)
+    specs["replay_layers"] = replay_layers
+    return Captured(gm, graph, specs)
+
+
+def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DEFAULT_PROFILE, pin=None,
+                  allow=None, registry=None, time_limit_s=None, memory_limit=AUTO, overlap_gradients: bool = True,
+                  bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True,
+                  solver: str = "auto", progress: Stages | None = None) -> Plan:
+    """Stages 2 to 5 of `plan` on a captured model: strategies, costs, the ILP, the `Plan`."""
+    started, stages = time.perf_counter(), stages_or_silent(progress)
+    mesh, profile, graph = as_mesh(mesh), load_profile(profile), captured.graph
     with stages.stage("enumerating strategies") as stage:
         strategies = enumerate_strategies(graph, mesh.shape, registry or default_registry())
         apply_constraints(graph, strategies, pin, allow)
         prune_unreachable(graph, strategies)
         stage.detail = f"{sum(len(s) for s in strategies.by_node.values()):,} strategies"
     with stages.stage("costing"):
-        problem = build_problem(graph, strategies, mesh, profile, training, overlap_gradients, share_layers)
-    limit = parse_bytes(memory_limit) if memory_limit is not None else None
+        problem = build_problem(graph, strategies, mesh, profile, training, overlap_gradients, share_layers,
+                                whole_outputs, int(bucket_cap_mb * 2**20))
+    limit = (default_memory_limit(profile, training) if memory_limit == AUTO
+             else parse_bytes(memory_limit) if memory_limit is not None else None)
     with stages.stage("solving ILP") as stage:
         try:
             solution = solve(problem, time_limit_s, limit, solver)
         except MemoryInfeasible as exc:
             raise memory_limit_error(graph, problem, exc.smallest, mesh, training, limit) from None
         stage.detail = f"{solution.variables:,} variables"
-    specs = example_specs(example_inputs, example_kwargs)
-    specs["replay_layers"] = replay_layers
-    result = assemble_plan(graph, problem, solution, mesh, profile, training, specs)
-    result.scopes = node_scopes(gm)
+    result = assemble_plan(graph, problem, solution, mesh, profile, training, dict(captured.specs), whole_outputs)
+    result.scopes = node_scopes(captured.gm)
     result.stats = {"plan_s": time.perf_counter() - started, "solve_s": solution.solve_s,
-                    "stages_s": dict(stages.times), "solver": resolve_solver(solver, limit is not None),
+                    "stages_s": dict(stages.times), "solver": solution.solver, "memory_limit": limit,
                     "gap": solution.gap or 0.0,  # > 0 only when time_limit_s stopped the solver early
-                    "capture": gm.meta["autotp_capture"]}
+                    "capture": captured.gm.meta["autotp_capture"]}
     return result
 
 
@@ -139,15 +190,21 @@ def _placeholder_grads(gm, args: tuple, kwargs: dict) -> dict[str, bool]:
     return {name: isinstance(leaf, torch.Tensor) and leaf.requires_grad for name, leaf in zip(names, leaves)}
 
 
-def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, batch_collectives: bool = True,
-                overlap: bool = True, counter=None, weights=None, device=None) -> torch.fx.GraphModule:
+def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, batch_collectives: bool = False,
+                overlap: bool = False, counter=None, weights=None, device=None) -> torch.fx.GraphModule:
     """This rank's program for ``plan``: a GraphModule with sharded parameters and collectives.
 
     Call it on every rank of an initialised process group whose size is the
-    mesh's. Each rank then calls the result with the same full inputs.
-    ``batch_collectives`` merges independent collectives of one kind and axis
-    into one, ``overlap`` starts each collective as soon as its input exists
-    and waits just before its first use (both exact; see docs/benchmarks.md).
+    mesh's. Each rank then calls the result with the whole inputs, or with
+    its own piece of each (``plan.io["inputs"]``; `autotp.runtime.local_inputs`
+    cuts them), and gets its outputs back as ``plan.io["outputs"]`` says.
+    Gradient sums of data parallelism run as the plan priced them
+    (``plan.runtime``): in buckets behind the backward pass
+    (`autotp.lower.reducer`), summed into ``.grad`` when ``backward()`` returns.
+    ``batch_collectives`` merges independent activation collectives of one
+    kind and axis into one, ``overlap`` starts each as soon as its input
+    exists and waits just before its first use: both exact, both off by
+    default because the cost model does not price them (docs/benchmarks.md).
     ``counter`` (an `autotp.lower.collectives.CommCounter`) records every collective issued.
     ``weights`` (an `autotp.materialize` source) supplies this rank's shards, so
     ``model`` may live on ``meta``; they are placed on ``device`` (default CPU).
@@ -158,8 +215,9 @@ def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, batc
     rank = dist.get_rank() if rank is None else rank
     args, kwargs = inputs_from_specs(plan.inputs, device=_device_of(model))
     gm = capture(model, args, kwargs, replay_layers=replays_layers(plan))
+    graph = build_opgraph(gm, _placeholder_grads(gm, args, kwargs))
     loader = prepare_weights(gm, weights, plan.mesh.shape, device) if weights is not None else None
-    local = lower(gm, plan, rank, groups, batch=batch_collectives, overlap=overlap, counter=counter,
+    local = lower(gm, plan, rank, groups, graph=graph, batch=batch_collectives, overlap=overlap, counter=counter,
                   load_shard=loader)
     if weights is not None:
         check_materialized(local)

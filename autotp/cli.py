@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
-from autotp.api import DEFAULT_PROFILE, plan
+from autotp.api import DEFAULT_PROFILE, capture_model, plan, plan_captured
 from autotp.cost.profile import load_profile
 from autotp.errors import AutotpError
 from autotp.fileio import atomic_write_bytes, atomic_write_text
@@ -21,7 +22,7 @@ from autotp.interop import dtensor_plan, pins_from_styles, styles_from_plan
 from autotp.mesh import Mesh
 from autotp.model_spec import ModelSpec, build, is_plan_file, parse_model
 from autotp.progress import Stages
-from autotp.report.baselines import baseline_plans
+from autotp.report.baselines import NAMES as BASELINES, baseline_plans
 from autotp.report.table import format_plan
 from autotp.solve.constraints import same_as
 from autotp.solve.plan import Plan
@@ -85,19 +86,32 @@ def cmd_plan(args) -> int:
     with stages.stage(f"building {spec.model}"):
         model, inputs, kwargs = build(spec, meta=True, training=training)
     pins = _tp_plan_pins(args.tp_plan, model, mesh) if args.tp_plan else None
-    options = dict(training=training, profile=profile, memory_limit=args.memory_limit,
-                   overlap_gradients=args.overlap_gradients)
-    result = plan(model, mesh, inputs, kwargs, pin=pins, allow=same_as(saved) if saved else None,
-                  progress=stages, **options)
+    options = dict(training=training, profile=profile, memory_limit=_memory_limit(args.memory_limit),
+                   overlap_gradients=args.overlap_gradients, bucket_cap_mb=args.bucket_cap_mb,
+                   whole_outputs=args.whole_outputs)
+    if saved is not None:  # a re-cost runs the program as the plan was made to run
+        runtime = saved.runtime
+        options.update(overlap_gradients=runtime["overlap_gradients"], whole_outputs=runtime["whole_outputs"],
+                       bucket_cap_mb=runtime["bucket_bytes"] / 2**20)
+    started = time.perf_counter()
+    captured = capture_model(model, inputs, kwargs, progress=stages)
+    result = plan_captured(captured, mesh, pin=pins, allow=same_as(saved) if saved else None, progress=stages,
+                           **options)
+    result.stats["plan_s"] = time.perf_counter() - started
     result.source = spec.to_source()
     baselines = None
     if not args.no_baselines:
-        with stages.stage("costing the baselines (replicated, data-parallel, megatron)"):
-            baselines = baseline_plans(model, mesh, inputs, kwargs, **options)
+        with stages.stage(f"costing the baselines ({', '.join(BASELINES)})"):
+            baselines = baseline_plans(model, mesh, inputs, kwargs, captured=captured, **options)
     print(format_plan(result, baselines))
     print(f"planned in {result.stats['plan_s']:.2f} s (ILP solve {result.stats['solve_s']:.2f} s)")
     _write_outputs(args, result, model, inputs, kwargs, baselines, stages)
     return 0
+
+
+def _memory_limit(text: str):
+    """``--memory-limit``: ``auto`` (the default limit), ``none`` (no limit) or a size such as ``80GB``."""
+    return None if text.lower() == "none" else text
 
 
 def _tp_plan_pins(path: str, model, mesh) -> dict:
@@ -285,14 +299,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None,
                    help=f"profile name in cost_models/ or a path to a JSON profile (default {DEFAULT_PROFILE})")
     p.add_argument("--inference", action="store_true", help="plan the forward pass only")
-    p.add_argument("--memory-limit", default=None, help="per-device memory the plan must fit, e.g. 80GB")
-    p.add_argument("--overlap-gradients", action="store_true",
-                   help="let parameter-gradient reductions hide behind the backward pass (as DDP does)")
+    p.add_argument("--memory-limit", default="auto",
+                   help="per-device memory the plan must fit, e.g. 80GB; 'none' lifts it (default: the profile's "
+                        "device memory less 5%% for training, none for inference)")
+    p.add_argument("--no-overlap-gradients", dest="overlap_gradients", action="store_false",
+                   help="run data parallelism's gradient sums where they are used, not in buckets behind the "
+                        "backward pass (as DDP does, the default)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="gradient bucket size in MiB (default 25, as DDP)")
+    p.add_argument("--whole-outputs", action="store_true",
+                   help="return every output replicated on every rank (default: as produced, a batch split "
+                        "stays split, as with DDP)")
     _add_hf_flags(p)
     p.add_argument("--tp-plan", default=None, help="cost and compile this Hugging Face-style tp_plan JSON "
                    "(module pattern -> colwise | rowwise) instead of choosing weight splits")
     p.add_argument("--no-baselines", action="store_true",
-                   help="skip the replicated, data-parallel and megatron baselines (each is one more plan)")
+                   help="skip the replicated, data-parallel, megatron and megatron-sp baselines (each is one more "
+                        "solve)")
     p.add_argument("--json", default=None, help="also write the plan to this JSON file")
     p.add_argument("--svg", default=None, help="draw the op graph, identical layers folded, to this SVG file")
     p.add_argument("--png", default=None, help="draw step time and memory against the baselines to this PNG file")

@@ -217,6 +217,17 @@ def step_options(src, dst, meta, mesh_shape, grad_axes=()) -> list[list[Step]]:
     return options
 
 
+def is_gradient_sum(steps, mesh_shape) -> bool:
+    """Whether ``steps`` only sum a gradient (f steps, in any form): nothing forward, one reduction backward.
+
+    On a parameter's only edge this is data parallelism's gradient reduction,
+    the one DDP buckets and overlaps with the backward pass; the cost model
+    (`autotp.cost.reshard`) and the lowering (`autotp.lower.reducer`) both ask this.
+    """
+    real = [s for s in steps if math.prod(mesh_shape[a] for a in s.span) > 1]
+    return bool(real) and all(s.kind in GRAD_KINDS for s in real)
+
+
 def step_units(steps) -> list[list[Step]]:
     """The steps grouped as the lowering runs them: one module per step, one per hierarchical gradient sum."""
     units = []
@@ -271,6 +282,28 @@ def _layout_steps(src, dst, meta, mesh_shape, reduction: Reduction | None = None
             steps.append(Step(SLICE, a, dst[a].dim, local_bytes(meta, cur, mesh_shape)))
             cur[a] = dst[a]
     return steps
+
+
+def entry_layout(src, targets, meta, mesh_shape):
+    """The most split layout a tensor made in ``src`` may arrive in, with every target reached by local slices.
+
+    For a program input: where every use splits it along the same dim of an
+    axis (a batch split over a data-parallel axis), each rank may be handed
+    just its own piece, as ``DistributedSampler`` hands each DDP rank its own
+    rows; an axis where some use needs more keeps ``src``'s placement.
+    """
+    layout = []
+    for a, placement in enumerate(src):
+        on_axis = {t[a] for t in targets}
+        only = next(iter(on_axis)) if len(on_axis) == 1 else None
+        layout.append(only if isinstance(only, Shard) and isinstance(placement, Replicate) else placement)
+    layout = tuple(layout)
+    try:
+        hops = [(src, layout)] + [(layout, t) for t in targets]
+        local = all(s.kind == SLICE for a, b in hops for s in _layout_steps(a, b, meta, mesh_shape))
+    except Unsupported:
+        local = False
+    return layout if local else tuple(src)
 
 
 def replay_steps(src, dst, meta, mesh_shape, grad_axes=(), forms=frozenset()) -> list[Step]:

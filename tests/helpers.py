@@ -37,16 +37,16 @@ def megatron_pins(name: str, model, mesh) -> dict:
     return pins
 
 
-def forced_plan(kind: str, name: str, mesh):
-    """The ILP's plan (``"ilp"``) or a forced one: replicated, data-parallel, megatron."""
+def forced_plan(kind: str, name: str, mesh, **options):
+    """The ILP's plan (``"ilp"``) or a forced one: replicated, data-parallel, megatron (``options`` for `plan`)."""
     model, inputs = make_model(name)
     profile = compute_bound_profile()
     if kind == "ilp":
-        return autotp.plan(model, mesh, inputs, profile=profile)
+        return autotp.plan(model, mesh, inputs, profile=profile, **options)
     if kind == "replicated":
-        return autotp.plan(model, mesh, inputs, profile=profile, allow=replicated_only)
+        return autotp.plan(model, mesh, inputs, profile=profile, allow=replicated_only, **options)
     if kind == "data_parallel":
-        return autotp.plan(model, mesh, inputs, profile=profile, allow=data_parallel_only)
+        return autotp.plan(model, mesh, inputs, profile=profile, allow=data_parallel_only, **options)
     if kind == "megatron":
-        return autotp.plan(model, mesh, inputs, profile="h100-hgx", pin=megatron_pins(name, model, mesh))
+        return autotp.plan(model, mesh, inputs, profile="h100-hgx", pin=megatron_pins(name, model, mesh), **options)
     raise ValueError(kind)

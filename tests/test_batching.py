@@ -1,9 +1,13 @@
-"""Batched and overlapped collectives: exact on real gloo groups, and really fewer collectives.
+"""Opt-in batched and overlapped collectives in the graph: exact on real gloo groups, and really fewer collectives.
 
-Each lowering option (batching and overlap, on and off) runs the GPT test
-model's ILP and data-parallel plans on meshes 2 and 2x2; outputs and every
-parameter gradient are compared with one device, and the collectives issued
-are counted with an explicit `CommCounter`.
+`parallelize` runs every collective where the plan uses it by default (as the
+cost model prices it), and the gradient sums of data parallelism in the
+reducer's buckets (tests/test_reducer.py). Plans made with
+``overlap_gradients=False`` keep those sums in the graph, which is where the
+batching pass has most to merge: each lowering option (batching and overlap,
+on and off) runs the GPT test model's ILP and data-parallel plans made so on
+meshes 2 and 2x2; outputs and every parameter gradient are compared with one
+device, and the collectives issued are counted with an explicit `CommCounter`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import pytest
 
 import autotp
 from autotp.capture import capture
-from autotp.cost.overlap import Item, batch_groups, batched_time_s, exposed_time_s
+from autotp.lower.batch_rule import Item, batch_groups
 from autotp.lower import lower, shard_tensor
 from autotp.lower.batching import BatchStart
 from autotp.lower.collectives import CommCounter
@@ -63,7 +67,7 @@ def results(request):
     mesh = autotp.Mesh(request.param)
     # on 2: both plans, every option; on 2x2 (4 processes, slower): data parallelism on both axes, both extremes
     kinds, options = (("ilp", "data_parallel"), OPTIONS) if mesh.ndim == 1 else (("data_parallel",), OPTIONS[::3])
-    plans = {kind: forced_plan(kind, "gpt", mesh) for kind in kinds}
+    plans = {kind: forced_plan(kind, "gpt", mesh, overlap_gradients=False) for kind in kinds}
     return mesh, spawn(_run, mesh.size, [(k, p, o) for k, p in plans.items() for o in options])
 
 
@@ -108,16 +112,10 @@ def test_batch_rule_respects_dependencies_and_cap():
     assert batch_groups(items[:2], cap_bytes=15) == [[0], [1]]
 
 
-def test_batched_cost_pays_one_latency_and_overlap_hides_compute():
-    assert batched_time_s(1.0, [3.0, 4.0, 0.0]) == pytest.approx(6.0)
-    assert batched_time_s(1.0, []) == 0.0
-    assert exposed_time_s(5.0, 2.0) == 3.0 and exposed_time_s(5.0, 9.0) == 0.0
-
-
 def test_inspection_lowering_without_groups_still_prints():
     model, inputs = make_model("gpt")
-    plan = forced_plan("data_parallel", "gpt", autotp.Mesh("2"))
-    local = autotp.parallelize(model, plan, rank=0, groups={})
+    plan = forced_plan("data_parallel", "gpt", autotp.Mesh("2"), overlap_gradients=False)
+    local = autotp.parallelize(model, plan, rank=0, groups={}, batch_collectives=True, overlap=True)
     assert "grad_all_reduce_tp_b0_start" in local.code
     with pytest.raises(RuntimeError, match="no process group"):
         local(*inputs).backward()

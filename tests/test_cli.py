@@ -36,7 +36,8 @@ def factory_file(tmp_path):
 
 
 def test_plan_prints_summary_and_writes_json(factory_file, tmp_path):
-    out = run("plan", f"{factory_file}:make", "--mesh", "4", "--json", str(tmp_path / "p.json"), "--no-baselines")
+    out = run("plan", f"{factory_file}:make", "--mesh", "4", "--json", str(tmp_path / "p.json"), "--no-baselines",
+              "--whole-outputs")  # the output whole on every rank: Megatron's one all-reduce after fc2
     assert out.returncode == 0, out.stderr
     assert "fc1.weight  S(0)" in out.stdout and "fc2.weight  S(1)" in out.stdout
     assert any(line.split()[:3] == ["fc2", "forward", "all_reduce"] for line in out.stdout.splitlines())
@@ -121,9 +122,9 @@ def test_the_set_of_flags_is_pinned():
              for name, p in sub.choices.items()}
     hf = ["--batch", "--config", "--ffn", "--heads", "--hidden", "--kv-heads", "--layers", "--seq", "--vocab"]
     assert flags == {
-        "plan": sorted(["--export-dtensor", "--export-tp-plan", "--inference", "--json", "--links", "--memory-limit",
-                        "--mesh", "--no-baselines", "--overlap-gradients", "--png", "--profile", "--quiet", "--svg",
-                        "--tp-plan", *hf]),
+        "plan": sorted(["--bucket-cap-mb", "--export-dtensor", "--export-tp-plan", "--inference", "--json", "--links",
+                        "--memory-limit", "--mesh", "--no-baselines", "--no-overlap-gradients", "--png", "--profile",
+                        "--quiet", "--svg", "--tp-plan", "--whole-outputs", *hf]),
         "verify": sorted(["--links", "--mesh", "--plan", "--profile", "--quiet", "--tolerance", *hf]),
         "explain": ["--profile", "--quiet"],
         "calibrate": ["--backend", "--links", "--max-size", "--mesh", "--name", "--nproc", "--out", "--quiet"],

@@ -93,8 +93,9 @@ def test_gradient_sum_over_both_axes_goes_hierarchical_and_stays_overlappable():
     assert [s.forward_kind for s in steps] == [None, None, None]
     backward = [(s.backward_kind, s.axis) for s in reversed(steps)]
     assert backward == [("reduce_scatter", 1), ("all_reduce", 0), ("all_gather", 1)]
-    exposed, overlap = edge_times_s((R, R), (R, R), meta, MESH, profile, True, True, (0, 1), from_parameter=True)
-    assert exposed == 0.0 and overlap == pytest.approx(_hierarchical_s(profile, GIB), rel=1e-12)
+    # a parameter's only use: the sum runs in the gradient reducer (a 1 GiB gradient is a bucket of its own)
+    exposed, gradient = edge_times_s((R, R), (R, R), meta, MESH, profile, True, True, (0, 1), deferred=True)
+    assert exposed == 0.0 and gradient == pytest.approx(_hierarchical_s(profile, GIB), rel=1e-12)
 
 
 # ---- exact on a 2x2 gloo mesh -------------------------------------------------------------------
@@ -138,7 +139,15 @@ def _plans(mesh):
     for form, profile in (("hierarchical", _slow_outer_profile()), ("flat", _latency_bound_profile())):
         plans[f"partial_on_both_axes_{form}"] = autotp.plan(model, mesh, inputs, profile=profile, pin=pin)
         plans[f"data_parallel_2d_{form}"] = autotp.plan(model, mesh, inputs, profile=profile, allow=_batch_on_both_axes)
+        plans[f"data_parallel_2d_{form}_in_graph"] = autotp.plan(model, mesh, inputs, profile=profile,
+                                                                 allow=_batch_on_both_axes, overlap_gradients=False)
     return plans
+
+
+def _reducer_units(plan) -> set:
+    """The steps of each gradient sum the lowered program hands its reducer, as (kind, axis) pairs."""
+    gm = lower(capture(*_model(), {}), plan, 0)
+    return {tuple((kind, comm.name) for kind, comm in e.unit) for e in gm.autotp_reducer.entries}
 
 
 def _run(rank, world, plans):
@@ -166,7 +175,9 @@ def test_plans_use_the_hierarchical_form_and_the_lowered_code_runs_it(two_by_two
     model, inputs = _model()
     code = lower(capture(model, inputs, {}), row, 0).code
     assert "reduce_scatter_tp" in code and "all_reduce_dp" in code and "all_gather_tp" in code
-    gm = lower(capture(*_model(), {}), dp, 0)
+    # the gradient reducer runs the sum in its buckets: reduce-scatter on tp, all-reduce on dp, all-gather on tp
+    assert _reducer_units(dp) == {(("reduce_scatter", "tp"), ("all_reduce", "dp"), ("all_gather", "tp"))}
+    gm = lower(capture(*_model(), {}), plans["data_parallel_2d_hierarchical_in_graph"], 0)  # or in the graph
     assert "grad_hierarchical_dp_tp_d0" in gm.code
     links = [(kind, comm.name) for kind, comm, _ in gm.grad_hierarchical_dp_tp_d0.links]
     assert links == [("grad_all_gather", "tp"), ("grad_all_reduce", "dp"), ("grad_reduce_scatter", "tp")]
@@ -181,7 +192,9 @@ def test_plans_use_the_flat_form_where_latency_dominates_and_the_lowered_code_ru
     assert {(c["producer"], c["kind"], c["axis"]) for c in grads} == {
         ("fc1_weight", "all_reduce", "dp+tp"), ("fc2_weight", "all_reduce", "dp+tp")}
     assert "self.all_reduce_dp_tp(" in lower(capture(*_model(), {}), row, 0).code
-    assert "self.grad_all_reduce_dp_tp(" in lower(capture(*_model(), {}), dp, 0).code
+    assert _reducer_units(dp) == {(("all_reduce", "dp_tp"),)}
+    assert "self.grad_all_reduce_dp_tp(" in lower(capture(*_model(), {}), plans["data_parallel_2d_flat_in_graph"],
+                                                  0).code
 
 
 def test_hierarchical_sums_are_exact_in_forward_and_backward(two_by_two):
@@ -192,4 +205,4 @@ def test_hierarchical_sums_are_exact_in_forward_and_backward(two_by_two):
             assert errors["output"] <= TOLERANCE, f"{where}: output error {errors['output']:.2e}"
             assert errors["gradient"] <= TOLERANCE, f"{where}: gradient error {errors['gradient']:.2e}"
             assert errors["parameters"] == 2, where
-    assert len(per_rank[0]) == 4
+    assert len(per_rank[0]) == 6

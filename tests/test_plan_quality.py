@@ -5,7 +5,9 @@ split over the vocabulary, lm_head colwise) is imported as pinned placements
 (`autotp.interop.hf_tp_plan_pins`) and costed by the same model; autotp's plan must be predicted no slower. With few tokens per step
 (weights dominate) the plan is Megatron's, two all-reduces per layer in
 forward; with long sequences autotp keeps the residual stream split between
-the blocks, which costs the same bytes as the two all-reduces and less compute.
+the blocks (no large all-reduce at all), which costs at most the bytes of the
+two all-reduces and less compute: it may even run a block data-parallel over
+the sequence, its weights' gradient sums hidden behind the backward pass.
 """
 
 from __future__ import annotations
@@ -68,6 +70,6 @@ def test_layer_collectives(plans):
         hidden_bytes = tokens * 4096 * 4
         big = [c for c in in_layers if c["bytes"] >= hidden_bytes]
         assert all(c["kind"] in ("all_gather", "reduce_scatter") and c["bytes"] == hidden_bytes for c in big)
-        # per layer: (gather, gather) around attention, (gather, reduce-scatter) around the MLP;
+        # at most per layer: (gather, gather) around attention, (gather, reduce-scatter) around the MLP;
         # then one gather of the final norm's output into the vocabulary-split LM head
-        assert len(big) == 4 * LAYERS + 1
+        assert 0 < len(big) <= 4 * LAYERS + 1

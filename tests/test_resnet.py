@@ -49,7 +49,10 @@ def test_resnet18_data_parallel_is_exact_with_batch_norm_buffers_in_sync():
     forward = [c for c in plan.collectives if c["phase"] == "forward"]
     stats = [c for c in forward if c["kind"] == "all_reduce" and c["bytes"] <= 64 * 8]
     assert len(stats) >= 2 * 20, "each of the 20 batch norms all-reduces its mean and its variance"
-    assert [c["node"] for c in forward if c["kind"] == "all_gather"] == ["output"], "only the logits are gathered"
+    # no activation is gathered (the logits come back split by batch, as with DDP); the compute-bound profile
+    # may split the running statistics' updates over channels and gather those small vectors into the buffers
+    assert all(c["bytes"] <= 64 * 8 for c in forward if c["kind"] == "all_gather"), "an activation is gathered"
+    assert plan.io["outputs"] == [("S(0)",)] and plan.io["inputs"] == [["x", ("S(0)",)]]
     for rank, errors in enumerate(spawn(check_rank, mesh.size, plan)):
         where = f"rank {rank}"
         assert errors["output"] <= TOLERANCE, f"{where}: output error {errors['output']:.2e}"

@@ -41,14 +41,23 @@ def test_time_limit_returns_a_complete_plan_and_its_gap(optimal, solver):
     assert optimal.stats["gap"] == 0.0
 
 
-@pytest.mark.parametrize("solver", ["cbc", "highs"])
-def test_no_plan_within_the_limit_is_an_error(optimal, solver):
-    """A memory limit at the optimum's own memory rules out the replicated warm start, so a solver stopped at once
-    holds no plan."""
+def test_no_plan_within_the_limit_is_an_error(optimal):
+    """A memory limit just under the fastest plan's own rules it out and the replicated warm start too, so the
+    ILP runs under the limit, and CBC stopped at once there (it is still reading the problem) holds no plan."""
     model, inputs = make_model("mlp")
     with pytest.raises(SolverError, match=r"no plan within time_limit_s=0\.001 s: raise the time limit"):
         autotp.plan(model, autotp.Mesh(MESH), inputs, profile=compute_bound_profile(), time_limit_s=LIMIT_S,
-                    memory_limit=optimal.memory["total"], solver=solver)
+                    memory_limit=optimal.memory["total"] - 1, solver="cbc")
+
+
+@pytest.mark.parametrize("solver", ["cbc", "highs"])
+def test_a_plan_found_within_the_limit_fits_it(optimal, solver):
+    """Given time, the same limit gives a plan that fits it, no faster than the unlimited optimum."""
+    model, inputs = make_model("mlp")
+    limit = optimal.memory["total"] - 1
+    limited = autotp.plan(model, autotp.Mesh(MESH), inputs, profile=compute_bound_profile(), time_limit_s=30,
+                          memory_limit=limit, solver=solver)
+    assert limited.memory["total"] <= limit and limited.predicted["total_s"] >= optimal.predicted["total_s"]
 
 
 def test_gap_is_relative_to_the_plan():

@@ -205,7 +205,8 @@ def example_specs(example_inputs, example_kwargs=None) -> dict:
 def _value(spec, device):
     if "value" in spec:
         return spec["value"]
-    return torch.zeros(spec["shape"], dtype=parse_dtype(spec["dtype"], "the plan's example inputs"), device=device)
+    value = torch.zeros(spec["shape"], dtype=parse_dtype(spec["dtype"], "the plan's example inputs"), device=device)
+    return value.requires_grad_() if spec.get("requires_grad") and value.is_floating_point() else value
 
 
 def inputs_from_specs(specs: dict, device="meta") -> tuple[tuple, dict]:

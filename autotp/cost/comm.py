@@ -3,7 +3,9 @@
 ``factor`` is 2(n-1)/n for an all-reduce and (n-1)/n for the others, as in
 nccl-tests, so ``busbw`` is comparable across collectives and axis sizes.
 A flat collective over several axes at once is bounded by its slowest link
-(`span_time_s`).
+(`span_time_s`). A parameter's gradient sum runs inside a DDP-style bucket
+(`bucketed_step_time_s`): it pays its share of the bucket's one latency and
+moves its bytes at the bucket's bandwidth.
 """
 
 from __future__ import annotations
@@ -13,18 +15,32 @@ import math
 from autotp.placement import shard_factor
 from autotp.redistribute import ALL_REDUCE, SLICE
 
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb=25
+
 
 def bus_factor(kind: str, n: int) -> float:
     return 2.0 * (n - 1) / n if kind == ALL_REDUCE else (n - 1) / n
 
 
-def collective_time_s(kind: str, axis: int, message_bytes: float, mesh, profile) -> float:
-    """Seconds for one collective of ``message_bytes`` on mesh axis ``axis``; 0 for a local slice."""
-    n = mesh.shape[axis]
+def _span_time_s(kind: str, axes, message_bytes: float, mesh, profile, latency_share: float = 1.0,
+                 bandwidth_at: float | None = None) -> float:
+    """Seconds of one collective over the devices of ``axes``: the slowest link's latency and bandwidth.
+
+    ``latency_share`` of the latency is paid; the bus bandwidth is read at
+    ``bandwidth_at`` bytes (the message itself by default).
+    """
+    n = math.prod(mesh.shape[a] for a in axes)
     if kind == SLICE or n == 1 or message_bytes == 0:
         return 0.0
-    curve = profile.link(mesh.links[axis])
-    return curve.latency_s + bus_factor(kind, n) * message_bytes / curve.busbw(kind, message_bytes)
+    curves = [profile.link(mesh.links[a]) for a in axes]
+    size = message_bytes if bandwidth_at is None else bandwidth_at
+    busbw = min(c.busbw(kind, size) for c in curves)
+    return latency_share * max(c.latency_s for c in curves) + bus_factor(kind, n) * message_bytes / busbw
+
+
+def collective_time_s(kind: str, axis: int, message_bytes: float, mesh, profile) -> float:
+    """Seconds for one collective of ``message_bytes`` on mesh axis ``axis``; 0 for a local slice."""
+    return _span_time_s(kind, (axis,), message_bytes, mesh, profile)
 
 
 def span_time_s(kind: str, axes, message_bytes: float, mesh, profile) -> float:
@@ -35,19 +51,28 @@ def span_time_s(kind: str, axes, message_bytes: float, mesh, profile) -> float:
     message size, with the factor of all ``prod(sizes)`` devices. One axis
     gives exactly `collective_time_s`.
     """
-    n = math.prod(mesh.shape[a] for a in axes)
-    if kind == SLICE or n == 1 or message_bytes == 0:
-        return 0.0
-    curves = [profile.link(mesh.links[a]) for a in axes]
-    busbw = min(c.busbw(kind, message_bytes) for c in curves)
-    return max(c.latency_s for c in curves) + bus_factor(kind, n) * message_bytes / busbw
+    return _span_time_s(kind, axes, message_bytes, mesh, profile)
 
 
 def step_time_s(kind: str, step, mesh, profile) -> float:
     """Seconds for ``kind`` (a step's forward or backward collective) on the devices the step spans."""
-    if len(step.span) == 1:
-        return collective_time_s(kind, step.axis, step.message_bytes, mesh, profile)
-    return span_time_s(kind, step.span, step.message_bytes, mesh, profile)
+    return _span_time_s(kind, step.span, step.message_bytes, mesh, profile)
+
+
+def bucketed_step_time_s(kind: str, step, gradient_bytes: int, mesh, profile, bucket_bytes: int) -> float:
+    """Seconds of ``step`` of a gradient sum of ``gradient_bytes`` run inside buckets of ``bucket_bytes``.
+
+    A bucket launches one collective per step for all its members, so a
+    gradient smaller than the bucket pays ``gradient_bytes / bucket_bytes`` of
+    the latency, and its bytes move at the bandwidth of the bucket's message
+    (this step's message scaled by the same ratio). A gradient larger than the
+    bucket is a bucket of its own. Linear in the bytes: the ILP can add it up.
+
+        25 MiB buckets, a 1 MiB norm gradient: 1/25 of the latency, bandwidth at 25 MiB
+    """
+    scale = max(1.0, bucket_bytes / gradient_bytes) if gradient_bytes else 1.0
+    return _span_time_s(kind, step.span, step.message_bytes, mesh, profile, latency_share=1.0 / scale,
+                        bandwidth_at=step.message_bytes * scale)
 
 
 def inner_all_reduces(op, strategy, mesh) -> list[tuple[int, int]]:

@@ -7,56 +7,63 @@ replicated input receives from split work (Megatron's *f*).
 A sum over several mesh axes can run one all-reduce per axis, hierarchically,
 or flat over every device (`autotp.redistribute.step_options`);
 `cheapest_steps` costs every form, each step on its own axis (a flat step on
-its slowest link, `step_time_s`), and keeps the cheapest. The
-plan's reported collectives and the lowering use the same choice.
+its slowest link), and keeps the cheapest. The plan's reported collectives
+and the lowering use the same choice.
+
+A *deferred* edge is a parameter's only edge whose steps are a pure gradient
+sum (`autotp.redistribute.is_gradient_sum`): the runtime buckets it and runs
+it behind the backward pass, as DDP does. Its time is reported apart, as the
+``gradient`` part, at the bucket's latency share and bandwidth
+(`autotp.cost.comm.bucketed_step_time_s`); the step model
+(`autotp.solve.chain`) decides how much of it the backward compute hides.
 """
 
 from __future__ import annotations
 
 import math
 
-from autotp.cost.comm import step_time_s
-from autotp.redistribute import GRAD_KINDS, Unsupported, step_options
+from autotp.cost.comm import DEFAULT_BUCKET_BYTES, bucketed_step_time_s, step_time_s
+from autotp.redistribute import Unsupported, is_gradient_sum, step_options
 
 
-def steps_times_s(steps, mesh, profile, grad: bool, from_parameter: bool = False) -> tuple[float, float]:
-    """``(exposed, overlappable)`` seconds of ``steps``; backward duals only when ``grad``.
+def steps_times_s(steps, mesh, profile, grad: bool, deferred: bool = False,
+                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[float, float]:
+    """``(exposed, gradient)`` seconds of ``steps``; backward duals only when ``grad``.
 
-    The reduction of a parameter's gradient (data parallelism's all-reduce, an
-    f step on a parameter, in any form) is overlappable: frameworks run it
-    while the backward pass computes earlier layers. Everything else is exposed.
+    ``gradient`` is non-zero only for a ``deferred`` edge whose steps are a
+    pure gradient sum; everything else is on the critical path.
     """
     exposed = sum(step_time_s(s.forward_kind, s, mesh, profile) for s in steps if s.forward_kind)
-    overlap = 0.0
-    for s in steps if grad else ():
-        if s.backward_kind:
-            t = step_time_s(s.backward_kind, s, mesh, profile)
-            if from_parameter and s.kind in GRAD_KINDS:
-                overlap += t
-            else:
-                exposed += t
-    return exposed, overlap
+    if not grad:
+        return exposed, 0.0
+    backward = [s for s in steps if s.backward_kind]
+    if deferred and is_gradient_sum(steps, mesh.shape):
+        size = max(s.message_bytes for s in backward)
+        return exposed, sum(bucketed_step_time_s(s.backward_kind, s, size, mesh, profile, bucket_bytes)
+                            for s in backward)
+    return exposed + sum(step_time_s(s.backward_kind, s, mesh, profile) for s in backward), 0.0
 
 
-def cheapest_steps(src, dst, meta, mesh, profile, grad: bool, grad_axes=()) -> list:
+def cheapest_steps(src, dst, meta, mesh, profile, grad: bool, grad_axes=(), deferred: bool = False,
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list:
     """The offered steps from ``src`` to ``dst`` with the least total seconds (ties: one all-reduce per axis).
 
     ``grad`` says whether the backward runs (training, and the tensor is
     differentiated); ``grad_axes`` count only then. Raises `Unsupported`.
     """
     options = step_options(src, dst, meta, mesh.shape, grad_axes if grad else ())
-    return min(options, key=lambda steps: sum(steps_times_s(steps, mesh, profile, grad)))
+    return min(options, key=lambda steps: sum(steps_times_s(steps, mesh, profile, grad, deferred, bucket_bytes)))
 
 
 def edge_times_s(src, dst, meta, mesh, profile, training: bool, requires_grad: bool, grad_axes=(),
-                 from_parameter: bool = False) -> tuple[float, float]:
-    """``(exposed, overlappable)`` seconds to turn ``src`` into ``dst``; ``(inf, 0)`` if impossible."""
+                 deferred: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[float, float]:
+    """``(exposed, gradient)`` seconds to turn ``src`` into ``dst``; ``(inf, 0)`` if impossible."""
     grad = training and requires_grad
     try:
-        steps = cheapest_steps(src, dst, meta, mesh, profile, grad, grad_axes)
+        steps = cheapest_steps(src, dst, meta, mesh, profile, grad, grad_axes, deferred, bucket_bytes)
     except Unsupported:
         return math.inf, 0.0
-    return steps_times_s(steps, mesh, profile, grad, from_parameter)
+    return steps_times_s(steps, mesh, profile, grad, deferred, bucket_bytes)
 
 
 def edge_time_s(src, dst, meta, mesh, profile, training: bool, requires_grad: bool, grad_axes=()) -> float:

@@ -2,8 +2,8 @@
 
 After `lower` has inserted one `Collective` per redistribution step, this pass
 groups collectives of the same kind on the same mesh axis that do not depend
-on each other (the rule is `autotp.cost.overlap.batch_groups`, which the
-plan's predicted totals use too) and replaces each group by two graph nodes:
+on each other and share a dtype (the rule is `autotp.lower.batch_rule.batch_groups`;
+concatenating an int64 tensor with floats would change it) and replaces each group by two graph nodes:
 
     h = all_gather_tp_x3_start(q_in, k_in, v_in)   # flatten, concatenate, one async collective
     ...                                             # compute that does not need the result
@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from autotp.cost.overlap import DEFAULT_CAP_BYTES, Item, batch_groups
+from autotp.lower.batch_rule import DEFAULT_CAP_BYTES, Item, batch_groups
 from autotp.lower.collectives import Collective, count
 
 
@@ -215,6 +215,11 @@ class BatchWait(nn.Module):
         return _WaitFn.apply(self.spec, token, link)
 
 
+def _dtype(node: fx.Node):
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
 def _tensor_bytes(node: fx.Node) -> int:
     val = node.meta.get("val")
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
@@ -235,8 +240,8 @@ def batch_collectives(gm: fx.GraphModule, batch: bool = True, overlap: bool = Tr
     items = []
     for n in nodes:
         module, source = gm.get_submodule(n.target), n.args[0]
-        items.append(Item(key=(module.kind, module.comm.name), nbytes=_tensor_bytes(source), ready=pos[source],
-                          needed=min(pos[u] for u in n.users) if n.users else len(pos),
+        items.append(Item(key=(module.kind, module.comm.name, _dtype(source)), nbytes=_tensor_bytes(source),
+                          ready=pos[source], needed=min(pos[u] for u in n.users) if n.users else len(pos),
                           depends_on=index.get(source)))
     groups = batch_groups(items, cap_bytes) if batch else [[i] for i in range(len(nodes))]
     for g, members in enumerate(groups):

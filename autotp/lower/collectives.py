@@ -74,7 +74,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, dim: int, group, n: int) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((front.shape[0] // n,) + tuple(front.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, front, group=group)
+    dist.reduce_scatter_single(out, front, group=group)
     return out.movedim(0, dim)
 
 

@@ -1,15 +1,20 @@
 """Lower a plan: rewrite the captured GraphModule into this rank's program.
 
-Three edits, all visible in ``print(local.code)``:
+Four edits, all visible in ``print(local.code)``:
 
 1. every parameter is replaced by this rank's shard (the chunk DTensor's
    ``Shard(d)`` would hold; the full tensor for ``R``);
-2. before each op, each tensor input is redistributed from its producer's
+2. each input may arrive whole or as this rank's piece of its ``plan.io``
+   layout (a data-parallel rank's own rows); a whole one is cut there;
+3. before each op, each tensor input is redistributed from its producer's
    layout to the layout the op's strategy needs (`redistribute.plan_steps`),
-   and a replicated input consumed by split work gets a gradient all-reduce;
-3. shape arguments of views and expands are rewritten to local sizes.
+   and a replicated input consumed by split work gets a gradient all-reduce,
+   except a parameter's data-parallel gradient sum, which the gradient
+   reducer runs in buckets behind the backward pass (`autotp.lower.reducer`);
+4. shape arguments of views and expands are rewritten to local sizes.
 
-Outputs are redistributed to R, so every rank returns the full outputs.
+Outputs come back as ``plan.io["outputs"]`` says: as produced (partial sums
+summed), or whole when the plan was made with ``whole_outputs``.
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ from autotp.errors import PlanError
 from autotp.graph.opgraph import TensorMeta, build_opgraph, meta_of, tensor_input_nodes
 from autotp.lower.batching import batch_collectives
 from autotp.lower.collectives import AxisComm, Collective, CollectiveChain
+from autotp.lower.entry import InputEntry
 from autotp.lower.impls import build_impl
 from autotp.lower.local_args import local_target, localize_args
+from autotp.lower.reducer import GradientReducer
 from autotp.placement import R, Shard, local_shape, parse_layout, shard_factor, shard_index
-from autotp.redistribute import Unsupported, replay_steps, step_units
+from autotp.redistribute import SLICE, Unsupported, is_gradient_sum, replay_steps, step_units
+from autotp.solve.problem import deferred_parameters, output_layout, uses_of
 from autotp.strategies.base import Strategy
 
 
@@ -56,14 +64,18 @@ def parameter_aliases(module: torch.nn.Module) -> list[tuple[list[str], torch.nn
 
 
 class _Lowerer:
-    def __init__(self, gm: fx.GraphModule, plan, coords, groups):
-        self.gm, self.plan, self.mesh, self.coords = gm, plan, plan.mesh, coords
+    def __init__(self, gm: fx.GraphModule, plan, coords, groups, graph):
+        self.gm, self.plan, self.mesh, self.coords, self.graph = gm, plan, plan.mesh, coords, graph
         self.comms = [AxisComm(name, size, coords[a], (groups or {}).get(a))
                       for a, (name, size) in enumerate(zip(self.mesh.names, self.mesh.shape))]
         self.groups = groups
         self.modules: dict[tuple, str] = {}
         self.shared: dict[tuple, fx.Node] = {}
-        self.buffers = {name for name, _ in gm.named_buffers()}  # read, never differentiated: no gradient sums
+        self.position = {name: i for i, name in enumerate(graph.order)}
+        overlap = plan.training and plan.runtime["overlap_gradients"]
+        self.deferred = deferred_parameters(graph, uses_of(graph)) if overlap else set()
+        self.reducer = GradientReducer(plan.runtime["bucket_bytes"]) if self.deferred else None
+        self.entries: dict[str, tuple[fx.Node, tuple]] = {}  # placeholder -> (its entry node, the layout after it)
         self.forms: dict[tuple, set] = {}  # (consumer, input, producer) -> multi-axis forms the plan chose
         for c in plan.collectives:
             if c.get("form"):
@@ -108,18 +120,20 @@ class _Lowerer:
             self.modules[key] = name
         return self.modules[key]
 
-    def redistribute(self, node: fx.Node, src, dst, grad_axes=(), consumer=("output", 0)) -> fx.Node:
+    def redistribute(self, node: fx.Node, src, dst, grad: bool, grad_axes=(), consumer=("output", 0)) -> fx.Node:
         """Insert the steps from ``src`` to ``dst`` (and the gradient all-reduces) before the current point.
 
-        Consumers that need the same tensor in the same layout share one copy:
-        one all-gather forward, and one reduction of their summed partial gradients.
-        A sum over several axes takes the form the plan recorded for this
-        edge (``consumer`` is the consuming node and input index).
+        Uses that need the same tensor in the same layout (a gradient flowing
+        back or not, summed over the same axes) share one copy: one all-gather
+        forward, and one reduction of their summed partial gradients, as the
+        cost model counts them (`autotp.solve.problem`). A sum over several
+        axes takes the form the plan recorded for this edge (``consumer`` is
+        the consuming node and input index). A deferred parameter's gradient
+        sum goes to the gradient reducer instead of the graph.
         """
         meta = meta_of(node.meta["val"])
-        wants_grad = meta.is_float and not (node.op == "get_attr" and node.target in self.buffers)
-        grad_axes = tuple(a for a in grad_axes if self.mesh.shape[a] > 1) if wants_grad else ()
-        key = (node.name, tuple(src), tuple(dst), grad_axes)
+        grad_axes = tuple(a for a in grad_axes if self.mesh.shape[a] > 1) if grad else ()
+        key = (node.name, tuple(src), tuple(dst), grad, grad_axes)
         if key not in self.shared:
             forms = self.forms.get((*consumer, node.name), set())
             try:
@@ -127,6 +141,10 @@ class _Lowerer:
             except Unsupported as exc:
                 raise PlanError(f"the plan's collectives for {node.name!r} -> {consumer[0]!r} do not fit this "
                                 f"model ({exc}): the plan was edited or made for another model; re-plan") from None
+            if node.name in self.deferred and is_gradient_sum(steps, self.mesh.shape):
+                self.defer(node, steps, consumer[0])
+                self.shared[key] = node
+                return node
             out = node
             for unit in step_units([s for s in steps if self.mesh.shape[s.axis] > 1]):
                 s = unit[0]
@@ -134,6 +152,31 @@ class _Lowerer:
                 out = self._call(module, out)
             self.shared[key] = out
         return self.shared[key]
+
+    def defer(self, node: fx.Node, steps, consumer: str) -> None:
+        """Hand a parameter's gradient sum to the reducer: its steps' backward collectives, in the order they run."""
+        unit = tuple((s.backward_kind, self.span_comm(s.span) if len(s.span) > 1 else self.comms[s.axis])
+                     for s in reversed(steps) if s.backward_kind and math.prod(self.mesh.shape[a] for a in s.span) > 1)
+        self.reducer.add(self.gm.get_parameter(node.target), node.target, unit, self.position[consumer])
+
+    def entry(self, node: fx.Node) -> tuple[fx.Node, tuple]:
+        """A program input as its uses see it: the node after the input's entry cut, and its layout."""
+        if node.name not in self.entries:
+            given = dict((name, layout) for name, layout in self.plan.io.get("inputs", []))
+            layout = parse_layout(given.get(node.name, ("R",) * self.mesh.ndim))
+            meta = meta_of(node.meta["val"])
+            out = node
+            if any(p != R for p in layout) and isinstance(meta, TensorMeta):
+                steps = [s for s in replay_steps((R,) * self.mesh.ndim, layout, meta, self.mesh.shape)
+                         if s.kind == SLICE and self.mesh.shape[s.axis] > 1]
+                name = f"input_{node.name}"
+                self.gm.add_submodule(name, InputEntry(node.name, meta.shape, local_shape(meta.shape, layout,
+                                                                                          self.mesh.shape),
+                                                       [Collective(SLICE, self.comms[s.axis], s.dim) for s in steps]))
+                with self.gm.graph.inserting_after(node):
+                    out = self._call(name, node)
+            self.entries[node.name] = (out, layout)
+        return self.entries[node.name]
 
     def _call(self, module: str, arg: fx.Node) -> fx.Node:
         new = self.gm.graph.call_module(module, (arg,))
@@ -157,11 +200,14 @@ def _rewrite_inputs(low: _Lowerer, node: fx.Node, entry) -> None:
     if node.target is operator.getitem:
         return  # pieces of a split keep the split's layout
     strategy = Strategy(out=entry.out_layout(), ins=layouts)
-    replaced = {}
-    with low.gm.graph.inserting_before(node):
-        for i, inp in enumerate(inputs):
-            src = low.plan.nodes[inp.name].out_layout()
-            replaced[i] = low.redistribute(inp, src, layouts[i], strategy.grad_allreduce_axes(i), (node.name, i))
+    op, replaced = low.graph.node(node.name), {}
+    for i, inp in enumerate(inputs):
+        src, fed = low.plan.nodes[inp.name].out_layout(), inp
+        if inp.op == "placeholder":
+            fed, src = low.entry(inp)
+        grad = op.requires_grad and low.graph.node(inp.name).requires_grad and op.in_metas[i].is_float
+        with low.gm.graph.inserting_before(node):
+            replaced[i] = low.redistribute(fed, src, layouts[i], grad, strategy.grad_allreduce_axes(i), (node.name, i))
     counter = iter(range(len(inputs)))
 
     def swap(a):
@@ -179,9 +225,9 @@ def _rewrite_inputs(low: _Lowerer, node: fx.Node, entry) -> None:
     node.target = local_target(node.target)
 
 
-def check_plan_fits(gm: fx.GraphModule, plan) -> None:
+def check_plan_fits(graph, plan) -> None:
     """The plan must name exactly this graph's nodes and ops; else it was made for another model."""
-    ours = {op.name: op.op_name for op in build_opgraph(gm).nodes()}
+    ours = {op.name: op.op_name for op in graph.nodes()}
     theirs = {name: entry.op for name, entry in plan.nodes.items()}
     if ours == theirs:
         return
@@ -204,21 +250,25 @@ def _use_impl(low: _Lowerer, node: fx.Node, entry, inputs) -> None:
     node.args, node.kwargs = tuple(a for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node)), {}
 
 
-def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, batch: bool = False, overlap: bool = False,
-          counter=None, load_shard=None) -> fx.GraphModule:
+def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, graph=None, batch: bool = False,
+          overlap: bool = False, counter=None, load_shard=None) -> fx.GraphModule:
     """Rewrite ``gm`` in place into the program of ``rank``; ``groups`` maps mesh axis -> process group.
 
     Without ``groups`` the result can be printed and inspected but not run.
-    ``batch`` merges independent collectives and ``overlap`` starts them early
-    and waits late (`autotp.lower.batching`; off here so the plain rewrite can
-    be inspected, on by default in `autotp.parallelize`); ``counter`` (a `CommCounter`)
-    records every collective the module issues. ``load_shard(name, param,
-    layout, coords)`` supplies each parameter's shard (from a checkpoint, see
-    `autotp.materialize`) instead of cutting it out of the full ``param``.
+    ``graph`` is ``gm``'s `OpGraph` with the inputs' ``requires_grad`` (built
+    here, with none, if not given). ``batch`` merges independent collectives
+    and ``overlap`` starts them early and waits late (`autotp.lower.batching`;
+    both off by default, as the cost model prices the program: each collective
+    where it is used, the gradient sums in the reducer's buckets);
+    ``counter`` (a `CommCounter`) records every collective the module issues.
+    ``load_shard(name, param, layout, coords)`` supplies each parameter's
+    shard (from a checkpoint, see `autotp.materialize`) instead of cutting it
+    out of the full ``param``.
     """
-    check_plan_fits(gm, plan)
+    graph = graph if graph is not None else build_opgraph(gm)
+    check_plan_fits(graph, plan)
     coords = plan.mesh.coords(rank)
-    low = _Lowerer(gm, plan, coords, groups)
+    low = _Lowerer(gm, plan, coords, groups, graph)
     for comm in low.comms:
         comm.counter = counter
     for names, param in parameter_aliases(gm):
@@ -231,16 +281,26 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, batch: bool = Fal
         local = torch.nn.Parameter(shard, requires_grad=param.requires_grad)
         for name in names:  # tied weights stay one parameter
             _set_param(gm, name, local)
+    whole = plan.runtime["whole_outputs"]
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.name in plan.nodes:
             _rewrite_inputs(low, node, _node_plan(plan, node))
         elif node.op == "output":
-            replicated = (R,) * plan.mesh.ndim
             with gm.graph.inserting_before(node):
-                node.args = pytree.tree_map(
-                    lambda a: low.redistribute(a, plan.nodes[a.name].out_layout(), replicated)
-                    if isinstance(a, fx.Node) and a.name in plan.nodes else a, node.args)
+                node.args = pytree.tree_map(lambda a: _output(low, a, whole), node.args)
     gm.graph.lint()
     gm.recompile()
     batch_collectives(gm, batch, overlap)
+    if low.reducer is not None:
+        low.reducer.build()
+    gm.autotp_reducer = low.reducer  # None when no gradient sum is deferred
     return gm
+
+
+def _output(low: _Lowerer, a, whole: bool):
+    """An output as the plan returns it: as produced, partial sums summed (or whole, for ``whole_outputs``)."""
+    if not (isinstance(a, fx.Node) and a.name in low.plan.nodes):
+        return a
+    op, src = low.graph.node(a.name), low.plan.nodes[a.name].out_layout()
+    meta = op.out[0]
+    return low.redistribute(a, src, output_layout(src, meta, whole), op.requires_grad and meta.is_float)

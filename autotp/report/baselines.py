@@ -6,10 +6,16 @@
   alone would let the ILP keep a small model replicated);
 - **megatron**: column-parallel q/k/v/up/gate and row-parallel o/down/proj on the
   last mesh axis, every other parameter replicated; activation layouts are left
-  to the ILP, as a hand-written plan leaves them to DTensor.
+  to the ILP, as a hand-written plan leaves them to DTensor;
+- **megatron-sp**: the same weights, with sequence parallelism: no activation
+  of the residual stream's width is replicated on that axis, so each
+  all-reduce becomes a reduce-scatter and an all-gather, and the norms and
+  residual adds between the blocks run on a slice of the sequence.
 
-Each is `autotp.plan` with pins or a strategy filter, so its step time and
-memory are comparable with the ILP's. A baseline this model or mesh cannot
+Each is `autotp.plan` on the same capture with pins or a strategy filter, so
+its step time and memory are comparable with the ILP's, and each is a point
+of the ILP's own search space: autotp's plan is never predicted slower (the
+suite checks it, tests/test_optimal.py). A baseline this model or mesh cannot
 take (shapes the mesh does not divide, a memory limit) is kept with the reason.
 """
 
@@ -23,14 +29,14 @@ from torch import nn
 from autotp.errors import AutotpError
 from autotp.graph.opgraph import KIND_PARAM
 from autotp.interop import pins_from_styles
-from autotp.placement import Shard
+from autotp.placement import Replicate, Shard
 from autotp.solve.constraints import data_parallel_only, replicated_only
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "q", "k", "v", "query", "key", "value", "up_proj", "gate_proj", "up", "gate",
           "fc1", "w1", "w3", "c_attn", "c_fc")
 ROW = ("o_proj", "down_proj", "out_proj", "proj", "down", "fc2", "w2", "c_proj", "attention.output.dense",
        "output.dense")
-NAMES = ("replicated", "data-parallel", "megatron")
+NAMES = ("replicated", "data-parallel", "megatron", "megatron-sp")
 
 
 @dataclass(frozen=True)
@@ -55,34 +61,64 @@ def megatron_styles(model: nn.Module) -> dict[str, str]:
     return styles
 
 
-def baseline_plans(model, mesh, example_inputs, example_kwargs=None, **plan_kwargs) -> list[Baseline]:
-    """The three baselines for ``model`` on ``mesh``; ``plan_kwargs`` as for `autotp.plan` (profile, training...)."""
-    from autotp.api import plan
+def baseline_plans(model, mesh, example_inputs, example_kwargs=None, captured=None, **plan_kwargs) -> list[Baseline]:
+    """The baselines for ``model`` on ``mesh``; ``plan_kwargs`` as for `autotp.plan` (profile, training...).
 
+    ``captured`` (`autotp.api.capture_model`) reuses a capture; by default the model is captured once here.
+    """
+    from autotp.api import as_mesh, capture_model, plan_captured
+
+    mesh = as_mesh(mesh)
+    replay = plan_kwargs.pop("replay_layers", True)
+    captured = captured or capture_model(model, example_inputs, example_kwargs, replay)
     out = []
     for name in NAMES:
-        kwargs = dict(plan_kwargs)
-        if name == "replicated":
-            kwargs["allow"] = replicated_only
-        elif name == "data-parallel":
-            batch = _batch_size(example_inputs)
-            if batch is None or batch % mesh.size:
-                out.append(Baseline(name, None, f"the batch ({batch}) does not split over {mesh.size} devices"))
-                continue
-            kwargs["allow"] = batch_split_only(batch)
-        else:
-            styles = megatron_styles(model)
-            if not styles:
-                out.append(Baseline(name, None, "no Linear layers named q/k/v/up/gate or o/down/proj"))
-                continue
-            kwargs["pin"] = pins_from_styles(model, styles, mesh.ndim)
+        kwargs, why = _constraints(name, model, mesh, example_inputs)
+        if why:
+            out.append(Baseline(name, None, why))
+            continue
         try:
-            result = plan(model, mesh, example_inputs, example_kwargs, **kwargs)
+            out.append(Baseline(name, plan_captured(captured, mesh, **plan_kwargs, **kwargs)))
         except AutotpError as exc:
             out.append(Baseline(name, None, str(exc)))
-            continue
-        out.append(Baseline(name, result))
     return out
+
+
+def _constraints(name: str, model, mesh, example_inputs) -> tuple[dict, str]:
+    """The pins or filter of one baseline, or why it does not apply to this model."""
+    if name == "replicated":
+        return {"allow": replicated_only}, ""
+    if name == "data-parallel":
+        batch = _batch_size(example_inputs)
+        if batch is None or batch % mesh.size:
+            return {}, f"the batch ({batch}) does not split over {mesh.size} devices"
+        return {"allow": batch_split_only(batch)}, ""
+    styles = megatron_styles(model)
+    if not styles:
+        return {}, "no Linear layers named q/k/v/up/gate or o/down/proj"
+    pins = pins_from_styles(model, styles, mesh.ndim)
+    if name == "megatron":
+        return {"pin": pins}, ""
+    return {"pin": pins, "allow": sequence_parallel_only(_residual_width(model, styles), mesh.ndim - 1)}, ""
+
+
+def _residual_width(model, styles: dict) -> int:
+    """The width of the residual stream: what the column-parallel layers read."""
+    modules = dict(model.named_modules())
+    widths = [getattr(modules[path], "in_features", None) or modules[path].weight.shape[0]
+              for path, style in styles.items() if style == "colwise"]
+    return max(set(widths), key=widths.count)
+
+
+def sequence_parallel_only(width: int, axis: int):
+    """A filter for Megatron's sequence parallelism: no activation ``[batch, seq, width]`` replicated on ``axis``."""
+
+    def allow(op, strategy) -> bool:
+        stream = (op.kind != KIND_PARAM and op.out and len(op.out[0].shape) == 3 and op.out[0].shape[-1] == width
+                  and op.out[0].is_float)
+        return not stream or not isinstance(strategy.out[axis], Replicate)
+
+    return allow
 
 
 def batch_split_only(batch: int):

@@ -54,14 +54,14 @@ def collective_lines(plan) -> list[str]:
 
 
 def exposed_comm_s(plan) -> float:
-    """Communication the step waits for: the step time less compute (overlap and batching already taken off)."""
+    """Communication the step waits for: the step time less compute (hidden gradient sums already taken off)."""
     return max(plan.predicted["total_s"] - plan.predicted["compute_s"], 0.0)
 
 
 def time_line(plan) -> str:
     p = plan.predicted
     saved = p["comm_s"] - exposed_comm_s(plan)
-    hidden = f", of which {format_seconds(saved)} hidden by overlap or batching" if saved > 1e-12 else ""
+    hidden = f", of which {format_seconds(saved)} of gradient sums hidden behind the backward pass" if saved > 1e-12 else ""
     return (f"predicted step time: {format_seconds(p['total_s'])} (compute {format_seconds(p['compute_s'])}, "
             f"communication {format_seconds(p['comm_s'])}{hidden})")
 
@@ -95,7 +95,6 @@ def comparison_lines(plan, baselines) -> list[str]:
     row("step time", lambda p: format_seconds(p.predicted["total_s"]))
     row("  compute", lambda p: format_seconds(p.predicted["compute_s"]))
     row("  communication", lambda p: format_seconds(exposed_comm_s(p)))
-    row("ILP objective", lambda p: format_seconds(p.predicted.get("objective_s", p.predicted["total_s"])))
     for term in ("total",) + TERMS:
         if any(p is not None and p.memory.get(term) for _, p in columns):
             row("memory " + term if term == "total" else "  " + term, lambda p, t=term: format_bytes(p.memory[t]))
@@ -103,6 +102,35 @@ def comparison_lines(plan, baselines) -> list[str]:
         row("step time ÷ autotp's", lambda p: f"{p.predicted['total_s'] / plan.predicted['total_s']:.2f}x")
     lines = align(["", *(name for name, _ in columns)], rows)
     lines += [f"  {b.name}: n/a because {b.reason}" for b in baselines if b.plan is None]
+    return lines
+
+
+def step_terms(plan) -> dict[str, float]:
+    """A plan's step time by where it goes: compute, collectives on the critical path, gradient sums not hidden."""
+    p = plan.predicted
+    gradient = p.get("gradient_s", 0.0)
+    return {"compute": p["compute_s"], "collectives": p["comm_s"] - gradient,
+            "gradient sums not hidden": gradient - p.get("gradient_hidden_s", 0.0)}
+
+
+def verdict_lines(plan, baselines) -> list[str]:
+    """How far the plan is from the best baseline, and which terms of the step make the difference."""
+    ready = [b for b in baselines if b.plan is not None]
+    if not ready:
+        return []
+    best = min(ready, key=lambda b: b.plan.predicted["total_s"])
+    mine, theirs = plan.predicted["total_s"], best.plan.predicted["total_s"]
+    ratio = mine / theirs if theirs > 0 else 1.0
+    deltas = {term: value - step_terms(best.plan)[term] for term, value in step_terms(plan).items()}
+    why = ", ".join(f"{term} {'+' if d > 0 else '-'}{format_seconds(abs(d))}" for term, d in
+                    sorted(deltas.items(), key=lambda kv: -abs(kv[1])) if abs(d) > 1e-12 * max(theirs, 1e-12))
+    head = (f"autotp: {format_seconds(mine)}, {ratio:.3f}x the best baseline ({best.name}, {format_seconds(theirs)})"
+            + (f": {why}" if why else ": the same plan's cost"))
+    lines = [head]
+    if ratio > 1 + 1e-9:
+        gap = plan.stats.get("gap", 0.0) if plan.stats else 0.0
+        lines.append(f"  slower than a plan of its own search space: {'the solver stopped at its time limit' if gap else 'a bug'} "
+                     f"(gap {gap:.1%}); raise time_limit_s, or report it")
     return lines
 
 
@@ -119,5 +147,6 @@ def format_plan(plan, baselines=None) -> str:
     if baselines:
         lines += ["", "against the baselines (same cost model, same pipeline):"]
         lines += comparison_lines(plan, baselines)
+        lines += [""] + verdict_lines(plan, baselines)
     lines += [""] + fallback_lines(plan)
     return "\n".join(lines)

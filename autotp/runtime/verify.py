@@ -52,7 +52,10 @@ def max_errors(model: torch.nn.Module, plan, inputs, rank: int, groups=None, kwa
     out = _tensors(local(*inputs, **kwargs))
     _loss(out).backward()
     coords, shape = plan.mesh.coords(rank), plan.mesh.shape
-    errors = {"output": max((scaled_error(a, b) for a, b in zip(out, ref_out)), default=0.0)}
+    layouts = plan.io.get("outputs") or [("R",) * plan.mesh.ndim] * len(ref_out)
+    errors = {"output": max((scaled_error(a, shard_tensor(b, parse_layout(layout), shape, coords))
+                             if a.shape == shard_tensor(b, parse_layout(layout), shape, coords).shape else float("inf")
+                             for a, b, layout in zip(out, ref_out, layouts)), default=0.0)}
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     grads = []
     for names, param in parameter_aliases(local):

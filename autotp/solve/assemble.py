@@ -1,121 +1,159 @@
-"""Turn a solved problem into a `Plan`: chosen strategies, the collectives they imply, costs, memory."""
+"""Turn a solved problem into a `Plan`: chosen strategies, the collectives they imply, costs, memory.
+
+The predicted step time is `autotp.solve.step.step_time` of the chosen
+choices: the ILP's own objective. The list of collectives is the same model
+seen per collective (one record per distinct redistribution of a tensor, as
+the lowering shares them), so compute plus every record, less the gradient
+time the backward pass hides, is that step time again.
+"""
 
 from __future__ import annotations
 
-from autotp.cost.comm import collective_time_s, inner_all_reduces, span_time_s
-from autotp.cost.compute import backward_time_s, compute_time_s
+from autotp.cost.comm import bucketed_step_time_s, collective_time_s, inner_all_reduces, step_time_s
+from autotp.cost.compute import compute_time_s
 from autotp.cost.memory import memory_by_term
-from autotp.cost.overlap import collective_savings_s
 from autotp.cost.reshard import cheapest_steps
-from autotp.graph.opgraph import KIND_PARAM
-from autotp.placement import R, layout_str
-from autotp.solve.plan import NodePlan, Plan, _round
+from autotp.graph.opgraph import KIND_INPUT, KIND_PARAM
+from autotp.placement import layout_str
+from autotp.redistribute import entry_layout, is_gradient_sum
+from autotp.solve.plan import NodePlan, Plan
+from autotp.solve.problem import OUTPUT, deferred_parameters, output_layout, uses_of
+from autotp.solve.step import step_time
 
 
 def chosen_strategies(problem, solution) -> dict:
     return {node: problem.strategy(node, solution.choice[group]) for node, group in problem.group_of.items()}
 
 
-def _record(mesh, profile, node, producer, index, phase, kind, axis, nbytes, form="", span=()) -> dict:
-    """One collective; a flat one over several axes (``span``) is named by them joined: ``dp+tp``."""
-    seconds = (span_time_s(kind, span, nbytes, mesh, profile) if len(span) > 1
-               else collective_time_s(kind, axis, nbytes, mesh, profile))
+def _record(mesh, node, producer, index, phase, kind, step, seconds) -> dict:
+    """One collective; a flat one over several axes is named by them joined: ``dp+tp``."""
+    span = step.span
     record = {"node": node, "input": index, "producer": producer, "phase": phase, "kind": kind,
-              "axis": "+".join(mesh.names[a] for a in span) if len(span) > 1 else mesh.names[axis],
-              "bytes": int(nbytes), "time_s": _round(seconds)}
-    if form:  # a multi-axis sum in hierarchical or flat form: the lowering replays the same choice
-        record["form"] = form
+              "axis": "+".join(mesh.names[a] for a in span) if len(span) > 1 else mesh.names[step.axis],
+              "bytes": int(step.message_bytes), "time_s": _round(seconds)}
+    if step.form:  # a multi-axis sum in hierarchical or flat form: the lowering replays the same choice
+        record["form"] = step.form
     return record
 
 
-def edge_collectives(mesh, profile, training, node, producer, index, src, dst, meta, grad, grad_axes) -> list[dict]:
-    """Every collective one edge runs, forward and (when training) backward, in execution order."""
+def edge_collectives(mesh, profile, training, node, producer, index, src, dst, meta, grad, grad_axes,
+                     deferred: bool = False, bucket_bytes: int = 0) -> list[dict]:
+    """Every collective one redistribution runs, forward and (when training) backward, in execution order.
+
+    A ``deferred`` gradient sum (a parameter's only use, bucketed behind the
+    backward pass) is recorded at the bucket's rates, marked ``"bucketed"``.
+    """
     grad = training and grad
-    steps = [s for s in cheapest_steps(src, dst, meta, mesh, profile, grad, grad_axes) if mesh.shape[s.axis] > 1]
-    out = [_record(mesh, profile, node, producer, index, "forward", s.forward_kind, s.axis, s.message_bytes, s.form,
-                   s.span) for s in steps if s.forward_kind]
-    if grad:
-        out += [_record(mesh, profile, node, producer, index, "backward", s.backward_kind, s.axis, s.message_bytes,
-                        s.form, s.span) for s in reversed(steps) if s.backward_kind]
+    options = dict(deferred=deferred, bucket_bytes=bucket_bytes) if deferred else {}
+    every = cheapest_steps(src, dst, meta, mesh, profile, grad, grad_axes, **options)
+    steps = [s for s in every if mesh.shape[s.axis] > 1]
+    out = [_record(mesh, node, producer, index, "forward", s.forward_kind, s, step_time_s(s.forward_kind, s, mesh,
+                                                                                            profile))
+           for s in steps if s.forward_kind]
+    if not grad:
+        return out
+    bucketed = deferred and is_gradient_sum(every, mesh.shape)
+    size = max((s.message_bytes for s in every if s.backward_kind), default=0)
+    for s in reversed(steps):
+        if not s.backward_kind:
+            continue
+        seconds = (bucketed_step_time_s(s.backward_kind, s, size, mesh, profile, bucket_bytes) if bucketed
+                   else step_time_s(s.backward_kind, s, mesh, profile))
+        out.append(_record(mesh, node, producer, index, "backward", s.backward_kind, s, seconds)
+                   | ({"bucketed": True} if bucketed else {}))
     return out
 
 
 def inner_collectives(op, strategy, mesh, profile) -> list[dict]:
     """The all-reduces a strategy's own implementation runs (vocabulary-parallel loss)."""
-    return [_record(mesh, profile, op.name, op.name, 0, "forward", "all_reduce", axis, nbytes)
-            for axis, nbytes in inner_all_reduces(op, strategy, mesh)]
-
-
-def all_collectives(graph, chosen, mesh, profile, training) -> list[dict]:
-    """The collectives of the lowered program; consumers of one tensor in one layout share them."""
-    out, seen = [], set()
-    for op in graph.nodes():
-        s = chosen[op.name]
-        out += inner_collectives(op, s, mesh, profile)
-        for i, producer in enumerate(op.inputs):
-            meta = op.in_metas[i]
-            grad = op.requires_grad and graph.node(producer).requires_grad and meta.is_float
-            axes = tuple(a for a in s.grad_allreduce_axes(i) if mesh.shape[a] > 1)
-            key = (producer, chosen[producer].out, s.ins[i], axes if grad else ())
-            if key in seen:
-                continue
-            seen.add(key)
-            out += edge_collectives(mesh, profile, training, op.name, producer, i, chosen[producer].out,
-                                    s.ins[i], meta, grad, axes)
-    r = (R,) * mesh.ndim
-    for name in graph.outputs:
-        op = graph.node(name)
-        for meta in op.out:
-            out += edge_collectives(mesh, profile, training, "output", name, 0, chosen[name].out, r, meta,
-                                    op.requires_grad and meta.is_float, ())
+    out = []
+    for axis, nbytes in inner_all_reduces(op, strategy, mesh):
+        record = {"node": op.name, "input": 0, "producer": op.name, "phase": "forward", "kind": "all_reduce",
+                  "axis": mesh.names[axis], "bytes": int(nbytes),
+                  "time_s": _round(collective_time_s("all_reduce", axis, nbytes, mesh, profile))}
+        out.append(record)
     return out
 
 
-def runtime_savings_s(graph, chosen, collectives, mesh, profile, training, gradients_hidden) -> tuple[float, float]:
-    """Seconds `parallelize`'s default batching and overlap take off the collectives (autotp/cost/overlap.py)."""
-    ops = graph.nodes()
-    position = {op.name: i for i, op in enumerate(ops)} | {"output": len(ops)}
-    backward = [backward_time_s(op, chosen[op.name], mesh, profile, training) for op in ops]
-    forward = [compute_time_s(op, chosen[op.name], mesh, profile, training) - b for op, b in zip(ops, backward)]
-    latency = {name: profile.link(link).latency_s for name, link in zip(mesh.names, mesh.links)}
-    latency |= {c["axis"]: max(latency[n] for n in c["axis"].split("+")) for c in collectives if "+" in c["axis"]}
-    # a hierarchical gradient sum runs as one CollectiveChain, which the lowering neither batches nor overlaps
-    collectives = [c for c in collectives if not c.get("form", "").startswith("grad hierarchical")]
-
-    def hidden_already(c) -> bool:  # counted in hidden_comm_s by overlap_gradients
-        return gradients_hidden and c["phase"] == "backward" and graph.node(c["producer"]).kind == KIND_PARAM
-
-    return collective_savings_s(collectives, position, forward, backward, latency, hidden_already)
+def use_target(graph, chosen, mesh, producer: str, consumer: str, i: int, whole_outputs: bool):
+    """``(meta, target layout, gradient flows back, gradient axes)`` of one use: what its redistribution is keyed by."""
+    made_by, src = graph.node(producer), chosen[producer].out
+    if consumer == OUTPUT:
+        meta = made_by.out[0]
+        return meta, output_layout(src, meta, whole_outputs), made_by.requires_grad and meta.is_float, ()
+    op, s = graph.node(consumer), chosen[consumer]
+    meta = op.in_metas[i]
+    grad = op.requires_grad and made_by.requires_grad and meta.is_float
+    axes = tuple(a for a in s.grad_allreduce_axes(i) if mesh.shape[a] > 1) if grad else ()
+    return meta, s.ins[i], grad, axes
 
 
-def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dict) -> Plan:
+def all_collectives(graph, chosen, mesh, profile, training, whole_outputs=False, deferred=frozenset(),
+                    bucket_bytes: int = 0) -> list[dict]:
+    """The collectives of the lowered program; uses of one tensor in one layout share them."""
+    out = []
+    for op in graph.nodes():
+        out += inner_collectives(op, chosen[op.name], mesh, profile)
+    for producer, uses in uses_of(graph).items():
+        seen = set()
+        for consumer, i in uses:
+            meta, dst, grad, axes = use_target(graph, chosen, mesh, producer, consumer, i, whole_outputs)
+            if (dst, grad, axes) in seen:
+                continue
+            seen.add((dst, grad, axes))
+            node, index = ("output", 0) if consumer == OUTPUT else (consumer, i)
+            out += edge_collectives(mesh, profile, training, node, producer, index, chosen[producer].out, dst, meta,
+                                    grad, axes, producer in deferred, bucket_bytes)
+    return out
+
+
+def io_layouts(graph, chosen, mesh, whole_outputs: bool) -> dict:
+    """How each rank may take its inputs and gives back its outputs.
+
+    An input may be given whole or as this rank's slice of the ``inputs``
+    layout (the most any use can cut it to for free: with a batch split, each
+    data-parallel rank's own rows, as with ``DistributedSampler``). Outputs
+    come back in the ``outputs`` layouts.
+    """
+    uses = uses_of(graph)
+    inputs = []  # [placeholder, layout] in the order of the tensors among the inputs' pytree leaves
+    for op in graph.nodes():
+        if op.kind == KIND_INPUT:
+            targets = [use_target(graph, chosen, mesh, op.name, c, i, whole_outputs)[1] for c, i in uses[op.name]]
+            inputs.append([op.name, layout_str(entry_layout(chosen[op.name].out, targets, op.out[0], mesh.shape))])
+    outputs = [layout_str(output_layout(chosen[name].out, graph.node(name).out[0], whole_outputs))
+               for name in graph.outputs]
+    return {"inputs": inputs, "outputs": outputs}
+
+
+def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dict, whole_outputs: bool = False) -> Plan:
     chosen = chosen_strategies(problem, solution)
-    collectives = all_collectives(graph, chosen, mesh, profile, training)
-    compute_s = sum(compute_time_s(op, chosen[op.name], mesh, profile, training) for op in graph.nodes())
-    comm_s = sum(c["time_s"] for c in collectives)
-    hidden_s = 0.0
-    if problem.overlap_gradients:  # parameter-gradient reductions hide behind the backward compute
-        backward_s = sum(backward_time_s(op, chosen[op.name], mesh, profile, training) for op in graph.nodes())
-        reductions_s = sum(c["time_s"] for c in collectives if c["phase"] == "backward"
-                           and (c["kind"] == "all_reduce" or c.get("form", "").startswith("grad "))
-                           and graph.node(c["producer"]).kind == KIND_PARAM)
-        hidden_s = min(reductions_s, backward_s)
-    batched_s, overlapped_s = runtime_savings_s(graph, chosen, collectives, mesh, profile, training,
-                                                problem.overlap_gradients)
+    deferred = deferred_parameters(graph, uses_of(graph)) if problem.overlap_gradients else set()
+    collectives = all_collectives(graph, chosen, mesh, profile, training, whole_outputs, deferred,
+                                  problem.bucket_bytes)
+    step = step_time(problem, solution.choice)
     nodes = {op.name: NodePlan(op.op_name, layout_str(chosen[op.name].out),
                                tuple(layout_str(layout) for layout in chosen[op.name].ins), chosen[op.name].impl)
              for op in graph.nodes()}
     params = {op.fqn: layout_str(chosen[op.name].out) for op in graph.nodes() if op.kind == KIND_PARAM}
-    fallback = {name: reason for name, reason in problem.strategies.fallback.items()}
     return Plan(
         mesh=mesh, profile=profile.name, training=training, parameters=params, nodes=nodes,
-        fallback_ops=fallback, collectives=collectives,
-        predicted={"compute_s": compute_s, "comm_s": comm_s, "hidden_comm_s": hidden_s,
-                   "batching_saved_s": batched_s, "overlap_hidden_s": overlapped_s,
-                   "total_s": compute_s + comm_s - hidden_s - batched_s - overlapped_s,
-                   "objective_s": solution.objective_s},
+        fallback_ops=dict(problem.strategies.fallback), collectives=collectives,
+        predicted={"compute_s": sum(compute_time_s(op, chosen[op.name], mesh, profile, training)
+                                    for op in graph.nodes()),
+                   "comm_s": sum(c["time_s"] for c in collectives),
+                   "gradient_s": step.gradient_s, "gradient_hidden_s": step.gradient_hidden_s,
+                   "total_s": step.total_s, "objective_s": solution.objective_s},
         memory=memory_by_term(graph, chosen, mesh, training),
         inputs=inputs,
-        ilp={"groups": len(problem.groups), "edges": len(problem.edges), "variables": solution.variables,
-             "constraints": solution.constraints, "ops": len(graph), **problem.sharing.summary()},
+        ilp={"groups": len(problem.groups), "edges": len(problem.edges), "fanouts": len(problem.fanouts),
+             "variables": solution.variables, "constraints": solution.constraints, "ops": len(graph),
+             **problem.sharing.summary()},
+        runtime={"overlap_gradients": problem.overlap_gradients, "bucket_bytes": problem.bucket_bytes,
+                 "whole_outputs": whole_outputs},
+        io=io_layouts(graph, chosen, mesh, whole_outputs),
     )
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.12g}")

@@ -39,7 +39,7 @@ def resolve(name: str, memory_limit: bool = False) -> str:
     if name not in SOLVERS:
         raise SolverError(f"unknown solver {name!r}: use one of {', '.join(SOLVERS)}")
     if name == "auto":
-        return "highs" if memory_limit and highs_available() else "cbc"
+        return "highs" if highs_available() else "cbc"
     if name == "highs" and not highs_available():
         raise SolverError("solver 'highs' needs highspy: pip install 'autotp[highs]' (or use solver='cbc')")
     return name

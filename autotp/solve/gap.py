@@ -33,6 +33,8 @@ LP_MIN_LIMIT_S = 10.0  # the relaxation is one LP, far cheaper than the integer 
 def replicated_choices(problem) -> dict[str, int]:
     """Each group's first possible (finite-cost) choice that replicates every member, where it has one."""
     choices = {}
+    if problem.strategies is None:  # a problem built by hand, without ops behind it
+        return choices
     for name, group in problem.groups.items():
         replicated = next((c for c in range(group.n) if not math.isinf(group.cost_s[c])
                            and all(problem.strategy(member, c).is_replicated for member in group.choices)), None)
@@ -129,4 +131,4 @@ def warn_gap(gap: float, time_limit_s: float) -> None:
     warnings.warn(SolverGapWarning(
         f"the solver stopped at its {time_limit_s:g} s time limit: the plan is the best found, within {within} "
         f"of optimal (gap = (plan - LP-relaxation bound) / plan = {gap:.4f}); raise time_limit_s for a "
-        "better or proven-optimal plan"), stacklevel=4)
+        "better or proven-optimal plan"), stacklevel=5)

@@ -7,6 +7,16 @@ chosen pair, and the LP relaxation stays tight. Pairs that cannot happen
 (infinite cost) get no variable, nor do the choices and pairs that dead-end
 elimination proves unneeded (`autotp.solve.reduce`: the same optimum, often
 half the variables). Variables are named after fx nodes.
+
+The objective is the step model of `autotp.solve.problem`, term for term, so
+its optimum is the plan's predicted step time (`autotp.solve.step`):
+
+* a fan-out item (one redistribution of a tensor with several uses) is a
+  continuous ``w >= 0`` at least every use's indicator of needing it, paid
+  once;
+* the gradient chain's wait is one continuous ``lag`` per stage and the
+  recurrence's ``max`` as two inequalities each (`autotp.solve.chain`).
+
 Coefficients are scaled to microseconds and MiB for the solver's tolerances;
 the objective is reported in seconds. A memory limit is one more linear
 constraint: the sum over groups of each choice's bytes per device.
@@ -26,6 +36,7 @@ from autotp.solve.gap import (complete_start, lp_relaxation_bound, optimality_ga
                               warm_start_replicated, warn_gap)
 from autotp.solve.problem import Problem
 from autotp.solve.reduce import possible, reduce_problem
+from autotp.solve.step import memory_bytes
 
 _SCALE = 1e6  # seconds -> microseconds inside the solver
 _BYTES = 2 ** 20  # bytes -> MiB inside the solver
@@ -40,6 +51,7 @@ class Solution:
     solve_s: float
     status: str
     gap: float | None = None  # only when a time limit stopped the solver: (objective - bound) / objective
+    solver: str = "cbc"
 
 
 def _safe(name: str) -> str:
@@ -61,7 +73,7 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
     the replicated plan is kept among them, as the warm start of a time-limited solve.
     """
     lp = pulp.LpProblem("autotp", pulp.LpMinimize)
-    x, objective, memory, overlap, backward = {}, [], [], [], []
+    x, objective, memory = {}, [], []
     reduced = reduce_problem(problem, time=minimise == "time",
                              memory=minimise == "memory" or memory_limit_bytes is not None,
                              keep=replicated_choices(problem)) if reduce else possible(problem)
@@ -73,22 +85,95 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
         lp += pulp.lpSum(x[name].values()) == 1, f"one_{_safe(name)}"
         objective += [group.cost_s[c] * _SCALE * v for c, v in x[name].items()]
         memory += [group.memory_bytes[c] / _BYTES * v for c, v in x[name].items()]
-        overlap += [group.overlap_s[c] * _SCALE * v for c, v in x[name].items() if group.overlap_s[c]]
-        backward += [group.backward_s[c] * _SCALE * v for c, v in x[name].items() if group.backward_s[c]]
+    y = {}
     for (gu, gv), table in problem.edges.items():
-        tag = f"{_safe(gu)}__{_safe(gv)}"
-        y = _pair_variables(lp, x[gu], x[gv], reduced.pairs[gu, gv], tag)
-        objective += _terms(y, table)
-        overlap += _terms(y, problem.overlap_edges.get((gu, gv)))
-    if overlap:  # gradient reductions cost only what the backward compute cannot hide
-        exposed = pulp.LpVariable("exposed_gradient_reduction", lowBound=0)
-        lp += exposed >= pulp.lpSum(overlap) - pulp.lpSum(backward), "overlap_with_backward"
-        objective.append(exposed)
+        y[gu, gv] = _pair_variables(lp, x[gu], x[gv], reduced.pairs[gu, gv], f"{_safe(gu)}__{_safe(gv)}")
+        objective += _terms(y[gu, gv], table)
+    if minimise == "time":
+        objective += _fanout_terms(lp, problem, x, y)
+        if problem.chain is not None:
+            objective.append(_chain_wait(lp, problem.chain, x, y))
     if memory_limit_bytes is not None:
         lp += pulp.lpSum(memory) <= memory_limit_bytes / _BYTES, "memory_limit"
     lp += pulp.lpSum(objective if minimise == "time" else memory)
     warm_start_replicated(problem, x)  # CBC starts from it only under a time limit (autotp.solve.gap)
     return lp, x
+
+
+def _use_indicator(problem: Problem, x: dict, y: dict, fanout, arm, i: int, j: int):
+    """The 0/1 expression "the producer is on ``i`` and this use's consumer on ``j``" (None: cannot be)."""
+    gu, gv = fanout.producer, arm.consumer
+    if gv is None or gv == gu or problem.groups[gv].n == 1:
+        return x[gu].get(i)
+    if problem.groups[gu].n == 1:
+        return x[gv].get(j)
+    return y[gu, gv].get((i, j))
+
+
+def _fanout_terms(lp, problem: Problem, x: dict, y: dict) -> list:
+    """Each fan-out item costs once if any use needs it: ``w >= (use needs it)`` per use, ``w`` in the objective."""
+    terms = []
+    for f, fanout in enumerate(problem.fanouts):
+        needs: dict[int, dict[int, list]] = {}  # item -> use -> indicators of needing it
+        for a, arm in enumerate(fanout.arms):
+            for i, row in enumerate(arm.items):
+                for j, item in enumerate(row):
+                    indicator = _use_indicator(problem, x, y, fanout, arm, i, j) if item >= 0 else None
+                    if indicator is not None:
+                        needs.setdefault(item, {}).setdefault(a, []).append(indicator)
+        for item, by_arm in needs.items():
+            w = pulp.LpVariable(f"w_{_safe(fanout.producer)}_{f}_{item}", lowBound=0)
+            for a, indicators in by_arm.items():
+                lp += w >= pulp.lpSum(indicators), f"need_{f}_{item}_{a}"
+            terms.append(fanout.cost_s[item] * _SCALE * w)
+    return terms
+
+
+def _linear(x: dict, y: dict, nodes: dict, pairs: dict) -> list:
+    out = [values[c] * _SCALE * v for g, values in nodes.items() for c, v in x[g].items() if values[c]]
+    for e, table in pairs.items():
+        out += _terms(y[e], table)
+    return out
+
+
+def _chain_wait(lp, chain, x: dict, y: dict):
+    """The seconds the step waits for the gradient queue (`autotp.solve.chain`), as LP variables.
+
+    Per stage ``lag >= reduce`` and ``lag >= reduce + previous lag - before``;
+    a block repeated ``n`` times maps the lag before it to at least each of
+    ``lag + n*D``, ``C + (n-1)*D`` and ``C`` (``C``: the lag one block builds
+    from nothing, ``D``: its gradient seconds less its compute); then ``wait
+    >= lag - after``, ``wait >= 0``. Minimising ``wait`` makes each bound the
+    max the recurrence takes.
+    """
+    lag = 0
+    for k, block in enumerate(chain.blocks):
+        if block.repeat == 1:
+            for s, stage in enumerate(block.stages):
+                lag = _stage_lag(lp, lag, stage, x, y, f"{k}_{s}")
+            continue
+        fresh = 0
+        for s, stage in enumerate(block.stages):
+            fresh = _stage_lag(lp, fresh, stage, x, y, f"{k}_{s}")
+        delta = pulp.lpSum([t for stage in block.stages for t in _linear(x, y, stage.reduce_nodes, stage.reduce_pairs)]
+                           + [-t for stage in block.stages for t in _linear(x, y, stage.before, {})])
+        out, n = pulp.LpVariable(f"lag_{k}_x{block.repeat}", lowBound=0), block.repeat
+        lp += out >= lag + n * delta, f"lag_{k}_carried"
+        lp += out >= fresh + (n - 1) * delta, f"lag_{k}_built"
+        lp += out >= fresh, f"lag_{k}_fresh"
+        lag = out
+    wait = pulp.LpVariable("gradient_wait", lowBound=0)
+    lp += wait >= lag - pulp.lpSum(_linear(x, y, chain.after, {})), "gradient_wait"
+    return wait
+
+
+def _stage_lag(lp, previous, stage, x: dict, y: dict, tag: str):
+    reduce = pulp.lpSum(_linear(x, y, stage.reduce_nodes, stage.reduce_pairs))
+    lag = pulp.LpVariable(f"lag_{tag}", lowBound=0)
+    lp += lag >= reduce, f"lag_{tag}_own"
+    if not isinstance(previous, int):
+        lp += lag >= reduce + previous - pulp.lpSum(_linear(x, y, stage.before, {})), f"lag_{tag}_queued"
+    return lag
 
 
 def _run(lp, x, time_limit_s, solver: str = "cbc") -> Solution:
@@ -99,32 +184,44 @@ def _run(lp, x, time_limit_s, solver: str = "cbc") -> Solution:
     elapsed = time.perf_counter() - start
     status = pulp.LpStatus[lp.status]
     if status != "Optimal":
-        return Solution({}, math.inf, len(lp.variables()), len(lp.constraints), elapsed, status)
+        return Solution({}, math.inf, len(lp.variables()), len(lp.constraints), elapsed, status, solver=solver)
     choice = {name: next(c for c, v in xs.items() if v.value() > 0.5) for name, xs in x.items()}
     objective, gap = pulp.value(lp.objective), None
     if lp.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped at the time limit holding an incumbent
         gap = optimality_gap(objective, lp_relaxation_bound(lp, time_limit_s))
-    return Solution(choice, objective, len(lp.variables()), len(lp.constraints), elapsed, status, gap)
+    return Solution(choice, objective, len(lp.variables()), len(lp.constraints), elapsed, status, gap, solver)
 
 
 def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_bytes: float | None = None,
           solver: str = "auto", reduce: bool = True) -> Solution:
-    """Pick one strategy per group minimising total predicted step time, within the memory limit.
+    """Pick one strategy per group minimising the predicted step time, within the memory limit.
 
     ``solver`` is ``"auto"``, ``"cbc"`` or ``"highs"`` (`autotp.solve.backends`).
     ``reduce=False`` skips dead-end elimination (`autotp.solve.reduce`): the
-    same optimum from a larger ILP, for tests and comparisons.
+    same optimum from a larger ILP, for tests and comparisons. A memory limit
+    that the fastest plan meets changes nothing, so the knapsack row is added
+    only when that plan does not fit (then a second solve, under the limit).
     Raises `MemoryInfeasible` carrying the least-memory plan when nothing fits.
     """
-    solver = backends.resolve(solver, memory_limit_bytes is not None)
+    free = _run(*_model(problem, "time", None, reduce), time_limit_s, backends.resolve(solver, False))
+    if memory_limit_bytes is None or (free.status == "Optimal"
+                                      and memory_bytes(problem, free.choice) <= memory_limit_bytes):
+        return _finish(free, time_limit_s)
+    solver = backends.resolve(solver, True)
     solution = _run(*_model(problem, "time", memory_limit_bytes, reduce), time_limit_s, solver)
-    if solution.status == "Infeasible" and memory_limit_bytes is not None:
+    if solution.status == "Infeasible":
         # no limit: the error quotes this exact minimum
         smallest = _run(*_model(problem, "memory", None, reduce), None, solver)
         if time_limit_s is None or smallest.objective_s * _BYTES > memory_limit_bytes:
             raise MemoryInfeasible(smallest)
         # a CBC stopped by its time limit can call a feasible problem infeasible: report the limit instead
-        solution = Solution({}, math.inf, solution.variables, solution.constraints, solution.solve_s, "Not Solved")
+        solution = Solution({}, math.inf, solution.variables, solution.constraints, solution.solve_s, "Not Solved",
+                            solver=solver)
+    return _finish(solution, time_limit_s, free.solve_s)
+
+
+def _finish(solution: Solution, time_limit_s, earlier_s: float = 0.0) -> Solution:
+    """The solution in seconds, or the error that says why there is none."""
     if solution.status != "Optimal":
         if time_limit_s is not None and solution.status == "Not Solved":
             raise SolverError(f"the ILP solver found no plan within time_limit_s={time_limit_s:g} s: raise the "
@@ -133,7 +230,7 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     if solution.gap is not None:
         warn_gap(solution.gap, time_limit_s)
     return Solution(solution.choice, solution.objective_s / _SCALE, solution.variables, solution.constraints,
-                    solution.solve_s, solution.status, solution.gap)
+                    solution.solve_s + earlier_s, solution.status, solution.gap, solution.solver)
 
 
 def _pair_variables(lp, xu: dict, xv: dict, kept, tag: str) -> dict:
@@ -147,6 +244,4 @@ def _pair_variables(lp, xu: dict, xv: dict, kept, tag: str) -> dict:
 
 
 def _terms(y: dict, table) -> list:
-    if table is None:
-        return []
     return [table[i][j] * _SCALE * v for (i, j), v in y.items() if table[i][j] != 0]

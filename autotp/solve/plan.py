@@ -16,8 +16,10 @@ from autotp.fileio import atomic_write_text
 from autotp.mesh import Mesh
 from autotp.placement import parse_layout
 
-PLAN_VERSION = 3  # 3 added ``source`` (how to rebuild the model) and ``scopes``; 2 still loads
-READABLE_VERSIONS = (2, 3)
+PLAN_VERSION = 4  # 4 added ``runtime`` and ``io``; 3 added ``source`` and ``scopes``; 2 and 3 still load
+READABLE_VERSIONS = (2, 3, 4)
+# what plans made before version 4 mean: every output whole, gradient sums run where they are used
+LEGACY_RUNTIME = {"overlap_gradients": False, "bucket_bytes": 25 * 2**20, "whole_outputs": True}
 
 
 @dataclass
@@ -54,6 +56,10 @@ class Plan:
     stats: dict = field(default_factory=dict, compare=False)
     source: dict | None = None  # how to rebuild the model, e.g. {"model": "hf:llama", "config": {...}}
     scopes: dict[str, str] = field(default_factory=dict)  # fx node -> module path, to fold identical layers
+    # how the rank program runs, as the cost model priced it: gradient overlap, bucket size, outputs whole or not
+    runtime: dict = field(default_factory=lambda: dict(LEGACY_RUNTIME))
+    # {"inputs": [[placeholder, layout a rank may be given], ...], "outputs": [layout each output comes back in]}
+    io: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -64,6 +70,7 @@ class Plan:
             "fallback_ops": dict(self.fallback_ops), "collectives": self.collectives,
             "predicted": {k: _round(v) for k, v in self.predicted.items()}, "memory": self.memory,
             "inputs": self.inputs, "ilp": self.ilp, "source": self.source, "scopes": dict(self.scopes),
+            "runtime": dict(self.runtime), "io": self.io,
         }
 
     def to_json(self) -> str:
@@ -85,6 +92,7 @@ class Plan:
             fallback_ops=dict(d["fallback_ops"]), collectives=list(d["collectives"]),
             predicted=dict(d["predicted"]), memory=dict(d["memory"]), inputs=dict(d["inputs"]), ilp=dict(d["ilp"]),
             source=d.get("source"), scopes=dict(d.get("scopes") or {}),
+            runtime=dict(d.get("runtime") or LEGACY_RUNTIME), io=dict(d.get("io") or {}),
         )
 
     @classmethod

@@ -1,13 +1,24 @@
-"""The planning problem before the solver sees it: groups of ops, their cost vectors and edge tables.
+"""The planning problem before the solver sees it: groups of ops, their costs, and how choices interact.
 
-Follower merging (Alpa's): a pointwise op or view that can take its first
-producer's choice, for every choice that producer has, joins the producer's
-group and adds no variables. Edge costs between groups become matrices; an edge
-touching a single-choice group folds into the other side's cost vector.
+One model of a training step (docs/cost-model.md), in pieces the ILP can add up:
 
-Every cost has two parts: exposed seconds, and the gradient reductions of
-parameters, which hide behind the backward pass up to its compute time
-(`ilp` takes ``max(0, overlappable - backward)``).
+* **groups**: one per op, except that identical layers share one
+  (`autotp.solve.layers`); per choice, the compute, the collectives inside
+  the op's implementation, and the memory it keeps;
+* **edges**: a tensor with one use pays its redistribution per pair of
+  choices of its producer and consumer (infinite where the pair cannot be);
+* **fan-outs**: a tensor with several uses (a norm's output feeding q, k and
+  v; a tensor that is also an output) is redistributed once per distinct
+  target layout, as the lowering does: each distinct redistribution is an
+  *item*, paid once whichever uses need it;
+* **the gradient chain** (`autotp.solve.chain`): the gradient sums of
+  parameters that the runtime buckets and overlaps with the backward pass,
+  and the backward compute that can hide them.
+
+Every piece is costed once per distinct op or use and counted as often as it
+occurs, so the problem of a deep stack of identical layers costs no more to
+build than one layer. `autotp.solve.step` evaluates the same pieces for one
+choice; `autotp.solve.ilp` minimises them.
 """
 
 from __future__ import annotations
@@ -16,25 +27,26 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from autotp.cost.comm import inner_time_s
-from autotp.cost.compute import backward_time_s, compute_time_s
+from autotp.cost.comm import DEFAULT_BUCKET_BYTES, inner_time_s
+from autotp.cost.compute import compute_time_s
 from autotp.cost.memory import node_memory_bytes
-from autotp.cost.reshard import edge_time_s, edge_times_s
+from autotp.cost.reshard import edge_times_s
 from autotp.graph.opgraph import KIND_PARAM, OpGraph
-from autotp.placement import R
+from autotp.placement import Partial, R
+from autotp.solve.chain import Chain, build_chain
 from autotp.solve.layers import Sharing, share_identical_layers
 from autotp.strategies.enumerate import OpStrategies
+
+OUTPUT = "output"  # the consumer name of a use that returns the tensor from the program
 
 
 @dataclass
 class Group:
-    """A leader op and the followers whose strategy is a function of the leader's."""
+    """An op and its twins in identical layers: one choice for all of them, their costs added up."""
 
     leader: str
-    choices: dict[str, list[int]] = field(default_factory=dict)  # member -> strategy index per leader choice
+    choices: dict[str, list[int]] = field(default_factory=dict)  # member -> strategy index per choice
     cost_s: list[float] = field(default_factory=list)  # exposed time per choice
-    overlap_s: list[float] = field(default_factory=list)  # gradient reductions that can hide behind backward
-    backward_s: list[float] = field(default_factory=list)  # backward compute they can hide behind
     memory_bytes: list[int] = field(default_factory=list)  # per device, summed over members
 
     @property
@@ -43,74 +55,115 @@ class Group:
 
 
 @dataclass
+class Arm:
+    """One use of a shared tensor: which of its fan-out's items each pair of choices needs.
+
+    ``consumer`` is the consuming group, or ``None`` for a use whose layout
+    follows from the producer's alone (a program output). ``items[i][j]`` is
+    the item for producer choice ``i`` and consumer choice ``j`` (``j`` is 0
+    without a consumer), or -1 when the use needs nothing.
+    """
+
+    consumer: str | None
+    items: list[list[int]]
+
+
+@dataclass
+class FanOut:
+    """A tensor with several uses: each distinct redistribution (an item) runs, and is paid, once.
+
+    ``ident[k]`` is ``(source layout, target key)``: two items with the same
+    ident cost the same and are shared alike, which is what dead-end
+    elimination needs to know (`autotp.solve.reduce`).
+    """
+
+    producer: str  # group
+    arms: list[Arm]
+    cost_s: list[float]  # per item, already times the number of identical fan-outs
+    ident: list[tuple]
+    choice: list[int]  # per item: the producer choice it belongs to
+
+
+@dataclass
 class Problem:
     """Everything the ILP needs, with names that point back at fx nodes."""
 
     groups: dict[str, Group]
     group_of: dict[str, str]
-    edges: dict[tuple[str, str], list[list[float]]]  # exposed seconds per pair of choices
+    edges: dict[tuple[str, str], list[list[float]]]  # exposed seconds per pair of choices; inf: impossible
     strategies: OpStrategies
-    overlap_edges: dict[tuple[str, str], list[list[float]]] = field(default_factory=dict)
-    overlap_gradients: bool = False
+    fanouts: list[FanOut] = field(default_factory=list)
+    chain: Chain | None = None  # None: gradient sums are not overlapped (all their time is exposed)
     sharing: Sharing = field(default_factory=Sharing)
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def strategy(self, node: str, choice: int):
         group = self.groups[self.group_of[node]]
         return self.strategies.by_node[node][group.choices[node][choice]]
 
-
-def _follow_choice(op, produced, strategies: OpStrategies):
-    """Index of ``op``'s strategy that consumes ``produced`` on input 0 as is, or None.
-
-    Strategies are already pruned (`prune_unreachable`), so every partial sum a
-    candidate needs from its other inputs can be produced.
-    """
-    return next((idx for idx, s in enumerate(strategies.by_node[op.name]) if s.ins[0] == produced), None)
+    @property
+    def overlap_gradients(self) -> bool:
+        return self.chain is not None
 
 
-def build_groups(graph: OpGraph, strategies: OpStrategies) -> tuple[dict[str, Group], dict[str, str]]:
-    groups, group_of = {}, {}
+def output_layout(src, meta, whole: bool):
+    """The layout an output is returned in: as produced, partial sums summed; whole (R) when asked or 0-d."""
+    if whole or not meta.shape:
+        return (R,) * len(src)
+    return tuple(R if isinstance(p, Partial) else p for p in src)
+
+
+def uses_of(graph: OpGraph) -> dict[str, list[tuple[str, int]]]:
+    """Every use of every tensor, in program order: ``(consumer, input index)``, ``("output", k)`` when returned."""
+    uses = {name: [] for name in graph.order}
     for op in graph.nodes():
-        if op.name in strategies.followers and op.inputs:
-            producer = op.inputs[0]
-            group = groups[group_of[producer]]
-            picks = [_follow_choice(op, strategies.by_node[producer][i].out, strategies)
-                     for i in group.choices[producer]]
-            if all(p is not None for p in picks):
-                group.choices[op.name] = picks
-                group_of[op.name] = group.leader
-                continue
-        groups[op.name] = Group(op.name, {op.name: list(range(len(strategies.by_node[op.name])))})
-        group_of[op.name] = op.name
-    return groups, group_of
+        for i, producer in enumerate(op.inputs):
+            uses[producer].append((op.name, i))
+    for k, name in enumerate(graph.outputs):
+        uses[name].append((OUTPUT, k))
+    return uses
+
+
+def deferred_parameters(graph: OpGraph, uses: dict) -> set[str]:
+    """Parameters whose gradient the runtime can bucket: differentiated, with exactly one use.
+
+    A tied weight's gradient sums its uses, so it is not any single edge's
+    partial sum; it is reduced where it is used, as every other collective is.
+    """
+    return {op.name for op in graph.nodes() if op.kind == KIND_PARAM and op.requires_grad
+            and len(uses[op.name]) == 1 and uses[op.name][0][0] != OUTPUT}
 
 
 def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, training: bool,
-                  overlap_gradients: bool = False, share_layers: bool = True) -> Problem:
-    """Cost every group choice and every cross-group edge in seconds.
+                  overlap_gradients: bool = True, share_layers: bool = True, whole_outputs: bool = False,
+                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Problem:
+    """Cost every group choice, every use of every tensor, and (when overlapped) the gradient chain.
 
-    With ``overlap_gradients`` the reductions of parameter gradients are kept
-    apart, to hide behind the backward compute; otherwise they are exposed.
-    With ``share_layers`` identical layers share their choices
-    (`autotp.solve.layers`), and each distinct op and edge is costed once and
-    counted as often as it occurs.
+    With ``overlap_gradients`` (and ``training``) the gradient sums of
+    parameters with one use go to the chain, at the bucket's rates; otherwise
+    they are exposed like every other collective. ``whole_outputs`` returns
+    every output replicated (R); by default an output stays as produced,
+    partial sums summed. With ``share_layers`` identical layers share their
+    choices (`autotp.solve.layers`).
     """
-    groups, group_of = build_groups(graph, strategies)
+    groups = {op.name: Group(op.name, {op.name: list(range(len(strategies.by_node[op.name])))})
+              for op in graph.nodes()}
+    group_of = {name: name for name in groups}
     sharing = share_identical_layers(graph, strategies, groups, group_of) if share_layers else Sharing()
-    problem = Problem(groups, group_of, {}, strategies, overlap_gradients=overlap_gradients, sharing=sharing)
+    problem = Problem(groups, group_of, {}, strategies, sharing=sharing, bucket_bytes=bucket_bytes)
     for group in groups.values():
         group.cost_s, group.memory_bytes = [0.0] * group.n, [0] * group.n
-        group.overlap_s, group.backward_s = [0.0] * group.n, [0.0] * group.n
-    coster = _Coster(problem, graph, mesh, profile, training)
-    nodes = Counter((group_of[op.name], sharing.of(op.name)) for op in graph.nodes())
-    for (leader, name), count in nodes.items():
+    uses = uses_of(graph)
+    deferred = deferred_parameters(graph, uses) if training and overlap_gradients else set()
+    coster = _Coster(problem, graph, mesh, profile, training, whole_outputs, deferred)
+    for (leader, name), count in Counter((group_of[op.name], sharing.of(op.name)) for op in graph.nodes()).items():
         coster.add_node(groups[leader], graph.node(name), count)
-    edges = Counter((sharing.of(producer), sharing.of(op.name), i, group_of[producer], group_of[op.name])
-                    for op in graph.nodes() for i, producer in enumerate(op.inputs))
-    for (producer, consumer, i, gu, gv), count in edges.items():
-        coster.add_edge(producer, graph.node(consumer), i, gu, gv, count)
-    for name in graph.outputs:
-        coster.add_output(name)
+    canonical = Counter((sharing.of(p), tuple((sharing.of(v) if v != OUTPUT else v, i) for v, i in u))
+                        for p, u in uses.items() if u)
+    for (producer, arms), count in canonical.items():
+        coster.add_uses(producer, list(arms), count)
+    if training and overlap_gradients:
+        problem.chain = build_chain(graph, problem, deferred, coster.gradient_table, mesh, profile, training)
     return problem
 
 
@@ -123,65 +176,118 @@ class _Coster:
     mesh: object
     profile: object
     training: bool
+    whole_outputs: bool
+    deferred: set
     memo: dict = field(default_factory=dict)
 
     def add_node(self, group: Group, op, count: int) -> None:
         """``count`` ops alike to ``op``: their compute, inner collectives and memory, per group choice."""
-        mesh, profile, training = self.mesh, self.profile, self.training
         for c in range(group.n):
             strategy = self.problem.strategy(op.name, c)
-            group.cost_s[c] += count * (compute_time_s(op, strategy, mesh, profile, training)
-                                        + inner_time_s(op, strategy, mesh, profile))
-            group.backward_s[c] += count * backward_time_s(op, strategy, mesh, profile, training)
-            group.memory_bytes[c] += count * sum(node_memory_bytes(op, strategy, mesh, training).values())
+            group.cost_s[c] += count * (compute_time_s(op, strategy, self.mesh, self.profile, self.training)
+                                        + inner_time_s(op, strategy, self.mesh, self.profile))
+            group.memory_bytes[c] += count * sum(node_memory_bytes(op, strategy, self.mesh, self.training).values())
 
-    def edge_cost(self, producer: str, op, i: int, cu: int, cv: int) -> tuple[float, float]:
-        """``(exposed, overlappable)`` seconds of one edge for one pair of choices."""
+    def use(self, producer: str, consumer: str, i: int, cu: int, cv: int) -> tuple[tuple | None, float, float]:
+        """``(target key, exposed, gradient)`` seconds of one use for one pair of choices.
+
+        The key is what the lowering shares a redistribution by: the target
+        layout, whether a gradient flows back, and the axes it is summed over. ``None`` with
+        infinite time: the pair cannot be (the pieces of a split are taken as
+        produced).
+        """
+        made_by = self.graph.node(producer)
         src = self.problem.strategy(producer, cu).out
-        s = self.problem.strategy(op.name, cv)
-        meta, made_by = op.in_metas[i], self.graph.node(producer)
-        if made_by.multi_output and src != s.ins[i]:
-            return math.inf, 0.0  # the pieces of split/chunk are taken as they are produced
-        key = (src, s.ins[i], meta, op.requires_grad and made_by.requires_grad and meta.is_float,
-               s.grad_allreduce_axes(i), self.problem.overlap_gradients and made_by.kind == KIND_PARAM)
-        if key not in self.memo:
-            self.memo[key] = edge_times_s(key[0], key[1], meta, self.mesh, self.profile, self.training, key[3],
-                                          key[4], from_parameter=key[5])
-        return self.memo[key]
+        if consumer == OUTPUT:
+            meta = made_by.out[0]
+            dst, grad, axes = output_layout(src, meta, self.whole_outputs), made_by.requires_grad and meta.is_float, ()
+        else:
+            op, s = self.graph.node(consumer), self.problem.strategy(consumer, cv)
+            meta, dst = op.in_metas[i], s.ins[i]
+            if made_by.multi_output and src != dst:
+                return None, math.inf, 0.0
+            grad = op.requires_grad and made_by.requires_grad and meta.is_float
+            axes = tuple(a for a in s.grad_allreduce_axes(i) if self.mesh.shape[a] > 1) if grad else ()
+        deferred = producer in self.deferred
+        memo = (src, dst, meta, grad, axes, deferred)
+        if memo not in self.memo:
+            self.memo[memo] = edge_times_s(src, dst, meta, self.mesh, self.profile, self.training, grad, axes,
+                                           deferred, self.problem.bucket_bytes)
+        return (dst, grad, axes), *self.memo[memo]
 
-    def add_edge(self, producer: str, op, i: int, gu: str, gv: str, count: int) -> None:
-        """``count`` edges alike to ``producer -> op`` (input ``i``) between groups ``gu`` and ``gv``."""
-        groups, edges = self.problem.groups, self.problem.edges
+    def gradient_table(self, producer: str, consumer: str, i: int) -> list[list[float]]:
+        """The gradient seconds of a deferred use, per pair of choices of its two groups."""
+        gu, gv = self.problem.group_of[producer], self.problem.group_of[consumer]
+        nu, nv = self.problem.groups[gu].n, self.problem.groups[gv].n
+        return [[self.use(producer, consumer, i, cu, cv)[2] for cv in range(nv)] for cu in range(nu)]
+
+    def add_uses(self, producer: str, arms: list[tuple[str, int]], count: int) -> None:
+        """``count`` tensors alike to ``producer`` with these uses: an edge when one, else a fan-out."""
+        if len(arms) == 1 and arms[0][0] != OUTPUT:
+            self.add_edge(producer, *arms[0], count)
+            return
+        gu = self.problem.group_of[producer]
+        fanout = FanOut(gu, [], [], [], [])
+        index: dict[tuple, int] = {}
+        for consumer, i in arms:
+            gv = None if consumer == OUTPUT else self.problem.group_of[consumer]
+            nv = 1 if gv is None or gv == gu else self.problem.groups[gv].n
+            items = []
+            for cu in range(self.problem.groups[gu].n):
+                row = []
+                for cv in ([cu] if gv == gu else range(nv)):
+                    key, exposed, _ = self.use(producer, consumer, i, cu, cv)
+                    if math.isinf(exposed):
+                        self._forbid(gu, gv, cu, cv)
+                    if key is None or exposed == 0:
+                        row.append(-1)
+                        continue
+                    if (cu, key) not in index:
+                        index[cu, key] = len(fanout.cost_s)
+                        fanout.cost_s.append(count * exposed)
+                        fanout.ident.append((self.problem.strategy(producer, cu).out, key))
+                        fanout.choice.append(cu)
+                    row.append(index[cu, key])
+                items.append(row)
+            fanout.arms.append(Arm(gv, items))
+            if gv is not None and gv != gu and self.problem.groups[gu].n > 1 and nv > 1:
+                self._table(gu, gv)  # the pair variables that link the item to both choices
+        if fanout.cost_s:
+            self.problem.fanouts.append(fanout)
+
+    def _table(self, gu: str, gv: str) -> list[list[float]]:
+        edges = self.problem.edges
+        if (gu, gv) not in edges:
+            edges[gu, gv] = [[0.0] * self.problem.groups[gv].n for _ in range(self.problem.groups[gu].n)]
+        return edges[gu, gv]
+
+    def _forbid(self, gu: str, gv: str | None, cu: int, cv: int) -> None:
+        """Pair ``(cu, cv)`` cannot be: infinite on the edge, or on the choice of the side that has one."""
+        groups = self.problem.groups
+        if gv is None or gv == gu or groups[gv].n == 1:
+            groups[gu].cost_s[cu] = math.inf
+        elif groups[gu].n == 1:
+            groups[gv].cost_s[cv] = math.inf
+        else:
+            self._table(gu, gv)[cu][cv] = math.inf
+
+    def add_edge(self, producer: str, consumer: str, i: int, count: int) -> None:
+        """``count`` single uses alike to ``producer -> consumer`` (input ``i``): exposed seconds per pair."""
+        groups = self.problem.groups
+        gu, gv = self.problem.group_of[producer], self.problem.group_of[consumer]
         nu, nv = groups[gu].n, groups[gv].n
         if gu == gv:  # both ends are fixed by the same choice
             for c in range(nu):
-                exposed, overlap = self.edge_cost(producer, op, i, c, c)
-                groups[gu].cost_s[c] += count * exposed
-                groups[gu].overlap_s[c] += count * overlap
+                groups[gu].cost_s[c] += count * self.use(producer, consumer, i, c, c)[1]
             return
-        pairs = [[self.edge_cost(producer, op, i, cu, cv) for cv in range(nv)] for cu in range(nu)]
+        pairs = [[self.use(producer, consumer, i, cu, cv)[1] for cv in range(nv)] for cu in range(nu)]
         if nu == 1 or nv == 1:  # fold into the side that has a choice
             for cu in range(nu):
                 for cv in range(nv):
                     target, c = (groups[gv], cv) if nu == 1 else (groups[gu], cu)
-                    target.cost_s[c] += count * pairs[cu][cv][0]
-                    target.overlap_s[c] += count * pairs[cu][cv][1]
+                    target.cost_s[c] += count * pairs[cu][cv]
             return
-        for table_of, k in ((edges, 0), (self.problem.overlap_edges, 1)):
-            table = [[count * pair[k] for pair in row] for row in pairs]
-            if k == 1 and not any(any(row) for row in table):
-                continue
-            old = table_of.get((gu, gv))
-            table_of[(gu, gv)] = table if old is None else [[a + b for a, b in zip(r0, r1)]
-                                                            for r0, r1 in zip(old, table)]
-
-    def add_output(self, name: str) -> None:
-        """Outputs are returned whole on every rank: each pays its way to R."""
-        op = self.graph.node(name)
-        group = self.problem.groups[self.problem.group_of[name]]
-        r = (R,) * len(self.mesh.shape)
-        for c in range(group.n):
-            src = self.problem.strategy(name, c).out
-            for meta in op.out:
-                group.cost_s[c] += edge_time_s(src, r, meta, self.mesh, self.profile, self.training,
-                                               op.requires_grad and meta.is_float)
+        table = self._table(gu, gv)
+        for cu in range(nu):
+            for cv in range(nv):
+                table[cu][cv] += count * pairs[cu][cv]

@@ -1,31 +1,37 @@
 """Exact reductions before the ILP: dead-end elimination of group choices and edge pairs.
 
 The ILP's size is mostly Alpa's edge-pair variables, one per possible pair of
-choices on every edge (GPT-3-175B on 8x8: 15,648 of 16,578 variables), and
-many of them can never be needed. Goldstein's dead-end elimination, from
-protein design (pick one rotamer per residue under pairwise energies: the
-same problem), says which, exactly:
+choices on every edge, and many of them can never be needed. Goldstein's
+dead-end elimination, from protein design (pick one rotamer per residue
+under pairwise energies: the same problem), says which, exactly:
 
 * **choices**: choice ``j`` of a group goes if another choice ``k`` is never
   worse, whatever the neighbours pick: for every criterion,
-  ``node[k] - node[j] + sum over the group's edges of max over the
-  neighbour's choices m of (edge[k, m] - edge[j, m]) <= 0``
-  (a pair ``(k, m)`` that cannot happen where ``(j, m)`` can makes the max
+  ``N[k, j] + sum over the group's edges of max over the neighbour's choices
+  m of E[k, j, m] <= 0``, where ``N`` and ``E`` bound from above what
+  switching ``j`` to ``k`` can add at the group itself and on each edge (a
+  pair ``(k, m)`` that cannot happen where ``(j, m)`` can makes the max
   infinite). Any plan on ``j`` switched to ``k`` is then as good or better;
 * **pairs**: pair ``(i, j)`` on edge ``(u, v)`` goes if, with ``u`` on ``i``,
   some ``k`` is never worse than ``j`` for ``v``: the same sum, with that
-  edge taken at row ``i`` instead of its worst case (for a group with one
-  edge, a parameter feeding its op, that is: keep, per choice of the op,
-  the parameter's choices no other beats on both time and memory);
+  edge taken at ``m = i`` instead of its worst case;
 * **dead ends**: a choice with no pair left on one of its edges cannot be picked.
 
-The criteria are what the ILP adds up: the exposed time; the memory per
-device when it is minimised or limited (the limit is a knapsack, so a switch
-may not buy time with memory); and when gradient reductions may hide behind
-the backward pass, the overlappable time (may not grow) and the backward
-compute (may not shrink), since the ILP charges ``max(0, overlap - backward)``.
-Each step keeps an optimal plan in the reduced problem, so the optimum is
-unchanged. Ties keep the lower index, so the result is deterministic.
+The bounds, per piece of the step model (`autotp.solve.problem`):
+
+* costs of groups and edges add up: the bound is the difference itself;
+* a fan-out item is paid once whoever needs it, so a switch that keeps a use
+  on the same redistribution (same source layout and target) adds nothing,
+  and any other may add the new item's whole cost (and saves at least 0);
+* the gradient chain's wait (`autotp.solve.chain`) grows with every gradient
+  sum and shrinks with every second of backward compute, by at most the
+  change: the bound adds the positive part of each term's change.
+
+The criteria are what the ILP adds up: the time, and the memory per device
+when it is minimised or limited (the limit is a knapsack, so a switch may not
+buy time with memory). Each step keeps an optimal plan in the reduced
+problem, so the optimum is unchanged. Ties keep the lower index, so the
+result is deterministic.
 """
 
 from __future__ import annotations
@@ -49,14 +55,15 @@ def reduce_problem(problem: Problem, time: bool = True, memory: bool = False,
                    keep: dict[str, int] | None = None) -> Reduction:
     """Dead-end elimination until nothing changes.
 
-    ``time``: the exposed time is minimised; ``memory``: memory is minimised
+    ``time``: the step time is minimised; ``memory``: memory is minimised
     or limited. ``keep`` (group -> choice, for some groups) protects a partial
     plan, the replicated warm start: its choices, and their pairs with each
     other and with every choice of a group it leaves open, are never
     dominated away, so if some plan extends it, one still does after the
     reduction (a time-limited solve can start from it).
     """
-    state = _State(problem, _criteria(problem, time, memory), keep or {})
+    criteria = ([_TimeBounds(problem)] if time else []) + ([_MemoryBounds(problem)] if memory else [])
+    state = _State(problem, criteria, keep or {})
     changed = True
     with np.errstate(invalid="ignore"):  # inf - inf where a choice is a dead end: see _State.base
         while changed:
@@ -73,22 +80,91 @@ def possible(problem: Problem) -> Reduction:
     return _State(problem, [], {}).reduction()
 
 
-def _criteria(problem: Problem, time: bool, memory: bool) -> list[tuple[dict, dict]]:
-    """``(node vectors, edge tables)`` per criterion, each to be no larger after a switch."""
-    groups, criteria = problem.groups, []
-    if time:
-        criteria.append(({g: grp.cost_s for g, grp in groups.items()}, problem.edges))
-        if problem.overlap_edges or any(any(grp.overlap_s) for grp in groups.values()):
-            criteria.append(({g: grp.overlap_s for g, grp in groups.items()}, problem.overlap_edges))
-            criteria.append(({g: [-b for b in grp.backward_s] for g, grp in groups.items()}, {}))
-    if memory:
-        criteria.append(({g: grp.memory_bytes for g, grp in groups.items()}, {}))
+def _finite(values) -> np.ndarray:
+    """Costs as floats, infinite ones as 0: the masks of possible choices and pairs exclude them."""
+    return np.nan_to_num(np.array(values, dtype=float), posinf=0.0)
 
-    def finite(values):  # an infinite cost is an impossible choice or pair: the masks exclude it
-        return np.nan_to_num(np.array(values, dtype=float), posinf=0.0)
 
-    return [({g: finite(v) for g, v in node.items()}, {e: finite(t) for e, t in edge.items()})
-            for node, edge in criteria]
+def _rise(values: np.ndarray) -> np.ndarray:
+    """``D[k, j] = max(0, values[k] - values[j])``: the most a chain term can grow by switching j to k."""
+    return np.maximum(0.0, values[:, None] - values[None, :])
+
+
+def _switch(items: np.ndarray, cost: np.ndarray, ident: np.ndarray) -> np.ndarray:
+    """``B[k, j, ...]``: what switching a use's choice from j to k may add to a fan-out (items ``[choice, ...]``).
+
+    Nothing when both need the same redistribution; else the new item's whole cost.
+    """
+    new, old = items[:, None], items[None, :]
+    return np.where(ident[new] == ident[old], 0.0, cost[new])
+
+
+class _TimeBounds:
+    """The step time's switch bounds: exact differences, fan-out items, and the chain's positive parts."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.node = {g: _finite(group.cost_s)[:, None] - _finite(group.cost_s)[None, :]
+                     for g, group in problem.groups.items()}
+        self.edge_terms: dict[tuple, list] = {e: [("diff", _finite(t))] for e, t in problem.edges.items()}
+        self._add_fanouts()
+        if problem.chain is not None:
+            self._add_chain()
+
+    def _add_fanouts(self) -> None:
+        groups = self.problem.groups
+        for fanout in self.problem.fanouts:
+            cost = np.append(np.array(fanout.cost_s, dtype=float), 0.0)  # index -1: nothing
+            ids = {ident: k for k, ident in enumerate(dict.fromkeys(fanout.ident))}
+            ident = np.append(np.array([ids[i] for i in fanout.ident]), -1)
+            gu = fanout.producer
+            for arm in fanout.arms:
+                items = np.array(arm.items)  # [producer choice, consumer choice]
+                gv = arm.consumer
+                if gv is None or gv == gu or groups[gv].n == 1:
+                    self.node[gu] = self.node[gu] + _switch(items[:, 0], cost, ident)
+                elif groups[gu].n == 1:
+                    self.node[gv] = self.node[gv] + _switch(items[0], cost, ident)
+                else:
+                    self.edge_terms[gu, gv].append(("shared", items, cost, ident))
+
+    def _add_chain(self) -> None:
+        chain = self.problem.chain
+        for block in chain.blocks:
+            n = block.repeat  # each repeat is one more stage whose terms may rise
+            for stage in block.stages:
+                for g, values in stage.reduce_nodes.items():
+                    self.node[g] = self.node[g] + n * _rise(np.array(values, dtype=float))
+                for e, table in stage.reduce_pairs.items():
+                    self.edge_terms[e].append(("rise", n * np.array(table, dtype=float)))
+                for g, values in stage.before.items():
+                    self.node[g] = self.node[g] + n * _rise(-np.array(values, dtype=float))
+        for g, values in chain.after.items():
+            self.node[g] = self.node[g] + _rise(-np.array(values, dtype=float))
+
+    def edge(self, e, side: int) -> np.ndarray:
+        """``E[k, j, m]`` for the group at ``side`` of ``e`` switching ``j`` to ``k``, the other end on ``m``."""
+        total = 0.0
+        for term in self.edge_terms[e]:
+            if term[0] == "shared":
+                _, items, cost, ident = term
+                total = total + _switch(items if side == 0 else items.T, cost, ident)
+            else:
+                table = term[1] if side == 0 else term[1].T
+                diff = table[:, None, :] - table[None, :, :]
+                total = total + (np.maximum(0.0, diff) if term[0] == "rise" else diff)
+        return total
+
+
+class _MemoryBounds:
+    """Memory per device adds up over groups: the bound is the difference."""
+
+    def __init__(self, problem: Problem):
+        self.node = {g: _finite(group.memory_bytes)[:, None] - _finite(group.memory_bytes)[None, :]
+                     for g, group in problem.groups.items()}
+
+    def edge(self, e, side: int):
+        return 0.0
 
 
 class _State:
@@ -104,7 +180,7 @@ class _State:
         for u, v in problem.edges:
             self.incident[u].append(((u, v), 0))
             self.incident[v].append(((u, v), 1))
-        self.worst_cache = {}
+        self.bounds_cache, self.worst_cache = {}, {}
 
     def reduction(self) -> Reduction:
         return Reduction({g: np.flatnonzero(a).tolist() for g, a in self.alive.items()}, self.pairs)
@@ -113,27 +189,30 @@ class _State:
         """``table`` with the rows on the group at ``side`` of its edge (a view: writes go through)."""
         return table if side == 0 else table.T
 
-    def edge_table(self, criterion, e) -> np.ndarray:
-        table = criterion[1].get(e)
-        return np.zeros(self.pairs[e].shape) if table is None else table
+    def bounds(self, c: int, e, side: int):
+        """``E[k, j, m]`` of criterion ``c`` (fixed for the problem: cached for good)."""
+        if (c, e, side) not in self.bounds_cache:
+            self.bounds_cache[c, e, side] = self.criteria[c].edge(e, side)
+        return self.bounds_cache[c, e, side]
 
     def worst(self, c: int, e, side) -> np.ndarray:
         """``W[k, j]``: the most switching ``j`` to ``k`` can add on edge ``e``, over the neighbour's choices."""
         if (c, e, side) not in self.worst_cache:
             pairs = self.oriented(self.pairs[e], side)
-            cost = self.oriented(self.edge_table(self.criteria[c], e), side)
-            diff = np.where(pairs[:, None, :], cost[:, None, :] - cost[None, :, :], np.inf)  # [k, j, m]
+            n, m = pairs.shape
+            bound = np.broadcast_to(self.bounds(c, e, side), (n, n, m))
+            diff = np.where(pairs[:, None, :], bound, np.inf)  # [k, j, m]
             self.worst_cache[c, e, side] = np.where(pairs[None, :, :], diff, -np.inf).max(axis=2)
         return self.worst_cache[c, e, side]
 
     def base(self, g: str, skip=None) -> list[np.ndarray]:
-        """Per criterion, ``B[k, j]``: node difference plus the worst case on every edge of ``g`` but ``skip``.
+        """Per criterion, ``B[k, j]``: the group's own bound plus the worst case on every edge of ``g`` but ``skip``.
 
         ``nan`` (``inf - inf``) where ``j`` is a dead end: never a dominance, and gone next pass anyway.
         """
         out = []
-        for c, (node, _) in enumerate(self.criteria):
-            total = node[g][:, None] - node[g][None, :]
+        for c, criterion in enumerate(self.criteria):
+            total = criterion.node[g]
             for e, side in self.incident[g]:
                 if (e, side) != skip:
                     total = total + self.worst(c, e, side)
@@ -152,10 +231,11 @@ class _State:
         """Pairs of edge ``e`` that the group at ``1 - side`` never needs, per choice ``i`` of the one at ``side``."""
         g, other = e[1 - side], e[side]
         pairs = self.oriented(self.pairs[e], side)  # [i: the other end's choice, j: g's choice]
+        n = pairs.shape[1]
         dominates = np.logical_and.reduce([
-            b[None, :, :] + (t[:, :, None] - t[:, None, :]) <= 0  # [i, k, j]
-            for b, t in zip(self.base(g, skip=(e, 1 - side)),
-                            (self.oriented(self.edge_table(c, e), side) for c in self.criteria))])
+            b[None, :, :] + np.broadcast_to(self.bounds(c, e, 1 - side), (n, n, pairs.shape[0])).transpose(2, 0, 1)
+            <= 0  # [i, k, j]
+            for c, b in enumerate(self.base(g, skip=(e, 1 - side)))])
         kept_other = self.keep[other] if self.keep[other].any() else np.ones_like(self.keep[other])
         survivors = _survivors(dominates, pairs, kept_other[:, None] & self.keep[g][None, :])
         if (survivors == pairs).all():

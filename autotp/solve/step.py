@@ -1,0 +1,53 @@
+"""The step time of one choice per group: the function the ILP minimises, evaluated directly.
+
+The ILP (`autotp.solve.ilp`) and the plan's report (`autotp.solve.assemble`)
+read the same `Problem`; this is the report's side, so a plan's
+``predicted["total_s"]`` is its ILP objective by construction, and the suite
+checks the two agree on every plan it makes (tests/test_step_model.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autotp.solve.chain import chain_times_s
+from autotp.solve.problem import Problem
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One step, in seconds: what runs on the critical path, and the gradient sums behind the backward pass."""
+
+    exposed_s: float  # compute and every collective the program waits for as it runs
+    gradient_s: float  # gradient sums the runtime buckets behind the backward pass
+    gradient_exposed_s: float  # the part of them the step still waits for
+
+    @property
+    def total_s(self) -> float:
+        return self.exposed_s + self.gradient_exposed_s
+
+    @property
+    def gradient_hidden_s(self) -> float:
+        return self.gradient_s - self.gradient_exposed_s
+
+
+def arm_item(problem: Problem, fanout, arm, choice: dict[str, int]) -> int:
+    """The item (or -1) one use of a fan-out needs under ``choice``."""
+    row = arm.items[choice[fanout.producer]]
+    return row[0] if arm.consumer is None or arm.consumer == fanout.producer else row[choice[arm.consumer]]
+
+
+def step_time(problem: Problem, choice: dict[str, int]) -> StepTime:
+    """The step time of ``choice`` (group leader -> choice index)."""
+    exposed = sum(group.cost_s[choice[name]] for name, group in problem.groups.items())
+    exposed += sum(table[choice[u]][choice[v]] for (u, v), table in problem.edges.items())
+    for fanout in problem.fanouts:
+        used = {arm_item(problem, fanout, arm, choice) for arm in fanout.arms} - {-1}
+        exposed += sum(fanout.cost_s[k] for k in used)
+    gradient, waited = chain_times_s(problem.chain, choice) if problem.chain else (0.0, 0.0)
+    return StepTime(exposed, gradient, waited)
+
+
+def memory_bytes(problem: Problem, choice: dict[str, int]) -> int:
+    """Bytes per device of ``choice``, as the ILP's memory row adds them up."""
+    return sum(group.memory_bytes[choice[name]] for name, group in problem.groups.items())

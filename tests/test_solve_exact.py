@@ -1,0 +1,181 @@
+"""The ILP finds the best plan of its own problem, and dead-end elimination never loses it: checked by enumeration.
+
+Small random problems carry every piece of the step model (`autotp.solve.problem`):
+choices with infinite costs, edge tables with impossible pairs, fan-outs whose
+items are paid once however many uses need them (uses inside one group, uses
+with no consumer, uses from single-choice groups), and a gradient chain with
+repeated blocks (`autotp.solve.chain`). Values come from a few levels, so ties
+abound. Every plan is enumerated and priced by `autotp.solve.step`:
+
+* the ILP's optimum, with and without the reduction, is the best plan's time,
+  free and under a binding memory limit, and the least memory when minimised;
+* the best plan the reduction leaves is the best plan of all, and so is the
+  best one agreeing with a protected partial plan (the warm start).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from autotp.errors import SolverError
+from autotp.solve.chain import Block, Chain, Stage, chain_times_s
+from autotp.solve.ilp import _BYTES, MemoryInfeasible, solve
+from autotp.solve.problem import Arm, FanOut, Group, Problem
+from autotp.solve.reduce import reduce_problem
+from autotp.solve.step import memory_bytes, step_time
+
+
+def _level(rng):
+    return rng.choice([0.0, 1.0, 1.0, 2.0, 3.0])
+
+
+def _random_problem(rng: random.Random) -> Problem:
+    """5 to 6 groups of 1 to 4 choices (memory in MiB, the ILP's unit) on a random graph, with fan-outs and (often) a gradient chain."""
+    names = [f"g{i}" for i in range(rng.randint(5, 6))]
+    groups = {}
+    for name in names:
+        n = rng.choice([1, 2, 2, 3, 4])
+        cost = [_level(rng) if rng.random() > 0.1 else math.inf for _ in range(n)]
+        if all(math.isinf(c) for c in cost):
+            cost[0] = 0.0
+        groups[name] = Group(name, {name: list(range(n))}, cost, [rng.choice([1, 2, 2, 4]) * _BYTES for _ in range(n)])
+    edges = {}
+    for u, v in itertools.permutations(names, 2):  # both directions at times: groups can feed each other
+        if groups[u].n > 1 and groups[v].n > 1 and rng.random() < (0.4 if u < v else 0.1):
+            edges[u, v] = [[_level(rng) if rng.random() > 0.15 else math.inf for _ in range(groups[v].n)]
+                           for _ in range(groups[u].n)]
+    problem = Problem(groups, {name: name for name in names}, edges, None)
+    for _ in range(rng.randint(0, 3)):
+        problem.fanouts.append(_random_fanout(rng, problem))
+    if rng.random() < 0.7:
+        problem.chain = _random_chain(rng, problem)
+    return problem
+
+
+def _random_fanout(rng, problem: Problem) -> FanOut:
+    names = list(problem.groups)
+    producer = rng.choice(names)
+    nu = problem.groups[producer].n
+    keys = rng.randint(1, 3)  # target layouts the uses may ask for
+    fanout = FanOut(producer, [], [], [], [])
+    index = {}
+    for _ in range(rng.randint(2, 3)):
+        consumer = rng.choice(names + [None])
+        if consumer not in (None, producer) and problem.groups[consumer].n > 1 and nu > 1:
+            problem.edges.setdefault((producer, consumer), [[0.0] * problem.groups[consumer].n for _ in range(nu)])
+        width = 1 if consumer in (None, producer) else problem.groups[consumer].n
+        items = []
+        for i in range(nu):
+            row = []
+            for _ in range(width):
+                key = rng.randrange(keys + 1)  # keys: 0 is "nothing to run"
+                if key == 0:
+                    row.append(-1)
+                    continue
+                if (i, key) not in index:
+                    index[i, key] = len(fanout.cost_s)
+                    fanout.cost_s.append(rng.choice([1.0, 2.0, 3.0]))
+                    fanout.ident.append((rng.randrange(2), key))  # producer choices may share a source layout
+                    fanout.choice.append(i)
+                row.append(index[i, key])
+            items.append(row)
+        fanout.arms.append(Arm(consumer, items))
+    # items with one ident must cost alike: the reduction relies on it, as the real problem guarantees
+    by_ident = {}
+    for k, ident in enumerate(fanout.ident):
+        fanout.cost_s[k] = by_ident.setdefault(ident, fanout.cost_s[k])
+    return fanout
+
+
+def _terms(rng, problem: Problem, pairs: bool):
+    nodes, tables = {}, {}
+    for g in rng.sample(list(problem.groups), rng.randint(1, 2)):
+        nodes[g] = [_level(rng) for _ in range(problem.groups[g].n)]
+    if pairs and problem.edges and rng.random() < 0.5:
+        e = rng.choice(list(problem.edges))
+        tables[e] = [[_level(rng) for _ in range(problem.groups[e[1]].n)] for _ in range(problem.groups[e[0]].n)]
+    return nodes, tables
+
+
+def _random_chain(rng, problem: Problem) -> Chain:
+    blocks = []
+    for _ in range(rng.randint(1, 3)):
+        stages = []
+        for _ in range(rng.randint(1, 2)):
+            reduce_nodes, reduce_pairs = _terms(rng, problem, pairs=True)
+            before, _ = _terms(rng, problem, pairs=False)
+            stages.append(Stage(0, reduce_nodes, reduce_pairs, before))
+        blocks.append(Block(stages, rng.choice([1, 1, 2, 3])))
+    after, _ = _terms(rng, problem, pairs=False)
+    return Chain(blocks, after)
+
+
+def _plans(problem: Problem, reduction=None):
+    """Every possible plan the reduction leaves (all when ``None``): ``(choice, time, memory)``."""
+    names = list(problem.groups)
+    for picks in itertools.product(*(range(problem.groups[g].n) for g in names)):
+        choice = dict(zip(names, picks))
+        if reduction and (any(choice[g] not in reduction.choices[g] for g in names)
+                          or any(not reduction.pairs[u, v][choice[u], choice[v]] for u, v in problem.edges)):
+            continue
+        total = step_time(problem, choice).total_s
+        if not math.isinf(total):
+            yield choice, total, memory_bytes(problem, choice)
+
+
+def _best(plans, limit=None, by="time"):
+    values = [(t, m) if by == "time" else (m, t) for _, t, m in plans if limit is None or m <= limit]
+    return min(values)[0] if values else None
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_the_ilp_and_the_reduction_keep_the_best_plan_of_every_random_problem(seed):
+    rng = random.Random(seed)
+    problem = _random_problem(rng)
+    every = list(_plans(problem))
+    if not every:
+        with pytest.raises(SolverError):
+            solve(problem)
+        return
+    memories = sorted({m for _, _, m in every})
+    limit = memories[len(memories) // 3]  # binding: the fastest plans do not fit
+    for reduce in (True, False):
+        assert solve(problem, reduce=reduce).objective_s == pytest.approx(_best(every), abs=1e-9), (seed, reduce)
+        assert solve(problem, memory_limit_bytes=limit, reduce=reduce).objective_s == pytest.approx(
+            _best(every, limit), abs=1e-9), (seed, reduce)
+        with pytest.raises(MemoryInfeasible) as caught:
+            solve(problem, memory_limit_bytes=memories[0] - _BYTES / 2, reduce=reduce)
+        assert caught.value.smallest.objective_s * _BYTES == pytest.approx(memories[0])
+    start = rng.choice(every)[0]  # a partial plan to keep, as the replicated warm start is kept
+    kept = {g: c for g, c in start.items() if rng.random() < 0.6}
+    agrees = lambda plans: [p for p in plans if all(p[0][g] == c for g, c in kept.items())]
+    for time, memory, cap in ((True, False, None), (True, True, limit), (False, True, None)):
+        by = "time" if time else "memory"
+        left = list(_plans(problem, reduce_problem(problem, time=time, memory=memory, keep=kept)))
+        assert _best(left, cap, by) == _best(every, cap, by), (seed, by, cap)
+        assert _best(agrees(left), None, by) == _best(agrees(every), None, by), (seed, by, kept)
+
+
+def test_a_repeated_block_is_its_stages_run_that_many_times():
+    """The closed form the ILP uses for a repeated block against the recurrence, on a queue that builds up."""
+    a, b = Stage(0, {"g": [3.0]}, {}, {"g": [1.0]}), Stage(1, {"g": [0.5]}, {}, {"g": [2.0]})
+    unrolled = Chain([Block([a, b]) for _ in range(4)], {"g": [1.0]})
+    folded = Chain([Block([a, b], 4)], {"g": [1.0]})
+    group = Group("g", {"g": [0]}, [0.0], [1])
+    problem = Problem({"g": group}, {"g": "g"}, {}, None, chain=folded)
+    # each block adds 3.5 s of sums against 3 s of compute: the queue grows by 0.5 s a block, to 3 s, less 1 s after
+    assert chain_times_s(unrolled, {"g": 0}) == chain_times_s(folded, {"g": 0}) == (14.0, 2.0)
+    assert solve(problem).objective_s == pytest.approx(2.0)
+
+
+def test_ties_keep_one_choice():
+    """Two identical choices and a worse one: the first stays, the others go."""
+    group = Group("a", {"a": [0, 1, 2]}, [1.0, 1.0, 2.0], [8, 8, 8])
+    other = Group("b", {"b": [0, 1]}, [0.0, 0.0], [1, 1])
+    problem = Problem({"a": group, "b": other}, {"a": "a", "b": "b"}, {("a", "b"): [[1.0, 2.0]] * 3}, None)
+    reduction = reduce_problem(problem, time=True, memory=True)
+    assert reduction.choices == {"a": [0], "b": [0]}
