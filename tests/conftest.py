@@ -31,6 +31,17 @@ def compute_bound_profile() -> dict:
     }
 
 
+def weights_bound_profile() -> dict:
+    """The compute-bound profile with a faster device and slow links: data parallelism's gradient sums then cost
+    more than the activations tensor parallelism moves, so the small test models split their weights (mesh 2)."""
+    profile = compute_bound_profile()
+    profile["name"] = "weights-bound"
+    profile["device"]["peak_flops"]["float32"] = 4e9
+    for link in profile["links"].values():
+        link["busbw_Bps"] = {c: [[1, 1e8], [1e12, 1e8]] for c in COLLECTIVES}
+    return profile
+
+
 @pytest.fixture
 def compute_bound():
     return compute_bound_profile()

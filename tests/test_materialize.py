@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import autotp
+from autotp.interop import pins_from_styles
 import hf_models
 from autotp.errors import MaterializeError
 from autotp.lower import shard_tensor
@@ -111,7 +112,14 @@ def _llama_from_safetensors(rank, world, plan, path):
 def test_meta_model_with_weights_is_exact_on_gloo(tmp_path):
     llama, args, kwargs = hf_models.build("llama")
     save_safetensors(llama.state_dict(), tmp_path / "llama.safetensors")
-    plan = autotp.plan(llama, autotp.Mesh("2x2"), args, kwargs, profile=compute_bound_profile())
+    # Megatron's attention on tp, the MLP's weights split on both axes, the rest replicated; the ILP chooses the
+    # activations
+    pin = pins_from_styles(llama, {"model.layers.*.self_attn.q_proj": "colwise",
+                                   "model.layers.*.self_attn.o_proj": "rowwise"}, 2)
+    pin |= {f"model.layers.{i}.mlp.{name}.weight": split for i in range(2)
+            for name, split in (("gate_proj", ("S(1)", "S(0)")), ("up_proj", ("S(1)", "S(0)")),
+                                ("down_proj", ("S(0)", "S(1)")))}
+    plan = autotp.plan(llama, autotp.Mesh("2x2"), args, kwargs, profile=compute_bound_profile(), pin=pin)
     assert any(p[0] != "R" for p in plan.parameters.values()) and any(p[1] != "R" for p in plan.parameters.values())
     for rank, err in enumerate(spawn(_llama_from_safetensors, 4, plan, tmp_path / "llama.safetensors")):
         assert err["output"] <= 1e-5 and err["gradient"] <= 1e-5, f"rank {rank}: {err}"

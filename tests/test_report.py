@@ -26,7 +26,7 @@ from autotp.report.explain import ExplainError, explain_node, resolve
 from autotp.report.png import Canvas, decode_png
 from autotp.report.rebuild import all_strategies, chosen_strategies, rebuild_graph
 from autotp.solve.plan import Plan
-from conftest import compute_bound_profile
+from conftest import compute_bound_profile, weights_bound_profile
 
 LLAMA = ["hf:llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
          "--vocab", "128", "--batch", "4", "--seq", "8"]
@@ -75,8 +75,8 @@ def test_hf_models_build_the_same_real_weights_in_every_process_and_meta_when_pl
 def planned(tmp_path_factory):
     """One CLI run writing the plan, the SVG, the PNG and an HF tp_plan; its stdout."""
     tmp = tmp_path_factory.mktemp("report")
-    profile = tmp / "compute-bound.json"
-    profile.write_text(json.dumps(compute_bound_profile()))
+    profile = tmp / "weights-bound.json"
+    profile.write_text(json.dumps(weights_bound_profile()))
     paths = {k: tmp / name for k, name in (("json", "p.json"), ("svg", "p.svg"), ("png", "p.png"), ("tp", "tp.json"))}
     out = io.StringIO()
     import contextlib
@@ -103,7 +103,9 @@ def test_report_folds_layers_and_compares_baselines(planned):
     assert any(line.split() == ["model.layers.*.self_attn.q_proj.weight", *q, "×2"] for line in out.splitlines())
     assert any(p != "R" for layout in plan.parameters.values() for p in layout)  # really split
     header = next(line for line in out.splitlines() if "replicated" in line and "megatron" in line)
-    assert header.split() == ["autotp", "replicated", "data-parallel", "megatron"]
+    assert header.split() == ["autotp", "replicated", "data-parallel", "megatron", "megatron-sp"]
+    verdict = next(line for line in out.splitlines() if line.startswith("autotp: "))
+    assert "x the best baseline (" in verdict and float(verdict.split(", ")[1].split("x")[0]) <= 1.0
     assert plan.source == {"model": "hf:llama", "batch": 4, "seq": 8,
                            "config": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
                                       "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 128}}

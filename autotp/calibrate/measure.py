@@ -83,9 +83,9 @@ def _collective(kind: str, nbytes: int, n: int, group, device):
     if kind == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
     if kind == "all_gather":
-        return lambda: dist.all_gather_into_tensor(full, piece, group=group)
+        return lambda: dist.all_gather_single(full, piece, group=group)
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(piece, full, group=group)
+        return lambda: dist.reduce_scatter_single(piece, full, group=group)
     out = torch.empty_like(full)
     return lambda: dist.all_to_all_single(out, full, group=group)
 

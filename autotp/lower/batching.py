@@ -35,12 +35,11 @@ from autotp.lower.collectives import Collective, count
 
 
 def _all_gather(out, x, group, async_op):
-    """torch 2.13 names it all_gather_single; older releases only have all_gather_into_tensor."""
-    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x, group=group, async_op=async_op)
+    return dist.all_gather_single(out, x, group=group, async_op=async_op)
 
 
 def _reduce_scatter(out, x, group, async_op):
-    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x, group=group, async_op=async_op)
+    return dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
 
 
 # kind of a Collective -> (forward primitive, backward primitive), DESIGN.md's table of duals

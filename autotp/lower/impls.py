@@ -1,13 +1,18 @@
 """Local implementations for strategies that are not the op itself on local shards.
 
-Both are Megatron-LM's vocabulary-parallel pieces, built from autograd-aware
-collectives so their backward needs no hand-written rule:
+All are built from autograd-aware collectives, so their backward needs no
+hand-written rule. Two are Megatron-LM's vocabulary-parallel pieces, one is
+data parallelism's loss:
 
 - `VocabParallelEmbedding`: look up the rows this device holds, zero the rest;
   the result is a partial sum (``P``) the planner reduces like any other.
 - `VocabParallelCrossEntropy`: the loss of logits split over classes, from
   three all-reduces of one number per row (max, sum of exponentials, target
   logit), without gathering the logits.
+- `BatchMeanCrossEntropy`: the mean loss of rows split over devices: the
+  sum of the losses and the count (or class weight) of the targets not
+  ignored, each summed over the devices, then divided: the single device's
+  mean, however many targets each device ignores.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from torch import nn
 
 from autotp.lower.collectives import all_reduce_partial
 from autotp.placement import Shard, shard_factor, shard_index
-from autotp.strategies.loss import REDUCTION_NONE, REDUCTION_SUM, loss_arg
+from autotp.strategies.loss import BATCH_MEAN, REDUCTION_NONE, REDUCTION_SUM, loss_arg
 
 
 def vocab_start(layout, dim: int, coords, mesh_shape, local_size: int) -> int:
@@ -75,9 +80,32 @@ class VocabParallelCrossEntropy(nn.Module):
         return f"classes {self.start}..{self.start + self.cols - 1}, over {[c.name for c in self.comms]}"
 
 
+class BatchMeanCrossEntropy(nn.Module):
+    """Mean cross-entropy of ``[N, C]`` logits whose rows are split across ``comms``."""
+
+    def __init__(self, comms, ignore_index: int):
+        super().__init__()
+        self.comms, self.ignore_index = comms, ignore_index
+
+    def forward(self, logits, target, weight=None):
+        total = torch.ops.aten.cross_entropy_loss.default(logits, target, weight, REDUCTION_SUM, self.ignore_index)
+        valid = target != self.ignore_index
+        counted = (weight[target.clamp(min=0)] * valid if weight is not None else valid).sum().to(total.dtype)
+        for comm in self.comms:  # partial sums over the row split -> whole
+            total = all_reduce_partial(total, comm)
+            counted = all_reduce_partial(counted, comm)
+        return total / counted
+
+    def extra_repr(self) -> str:
+        return f"rows split over {[c.name for c in self.comms]}"
+
+
 def build_impl(impl: str, target, op_args: tuple, op_kwargs: dict, in_layouts, in_shapes, coords, mesh_shape,
                comms) -> nn.Module:
     """The module implementing strategy ``impl`` of op ``target`` for one node on this device."""
+    if impl == BATCH_MEAN:
+        axes = [a for a, p in enumerate(in_layouts[0]) if isinstance(p, Shard) and p.dim == 0]
+        return BatchMeanCrossEntropy([comms[a] for a in axes], loss_arg(op_args, op_kwargs, "ignore_index"))
     if impl == "vocab_parallel" and target == torch.ops.aten.cross_entropy_loss.default:
         return _cross_entropy(op_args, op_kwargs, in_layouts, in_shapes, coords, mesh_shape, comms)
     if impl == "vocab_parallel" and target == torch.ops.aten.embedding.default:

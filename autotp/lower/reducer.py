@@ -11,14 +11,16 @@ reduce-scatter / all-reduce / all-gather: the plan's choice).
 
 In backward, a hook on the parameter copies each arriving gradient into its
 bucket (buckets of ``bucket_bytes``, DDP's 25 MiB by default, filled in the
-order gradients become ready, one per kind of sum and dtype) and hands
-autograd zeros in its place. A full bucket starts its first collective at
-once, asynchronously; a sum of several steps moves to its next step as soon as
-the last one is done (checked whenever another gradient arrives). A callback
-queued on autograd's engine waits for every bucket when the backward pass
-ends and adds each summed gradient into ``param.grad``, so the optimizer sees
-the same ``.grad`` as without buckets, and gradients accumulate over several
-backward passes as they do on one device.
+order gradients become ready, one per kind of sum and dtype). A full bucket
+starts its first collective at once, asynchronously; a sum of several steps
+moves to its next step as soon as the last one is done (checked whenever
+another gradient arrives). A callback queued on autograd's engine waits for
+every bucket when the backward pass ends and gives each parameter its summed
+gradient: ``param.grad`` becomes a view of the bucket (as DDP's
+``gradient_as_bucket_view``) when the parameter had none, and the sum is added
+to it when it had one (the hook then hands autograd zeros, so that only the
+sum is added). The optimizer sees the same ``.grad`` as without buckets, and
+gradients accumulate over several backward passes as they do on one device.
 
 A sum is elementwise, so a bucket is one flat buffer whatever the layouts of
 its members: a reduce-scatter cuts it in equal pieces (padded to a multiple of
@@ -61,6 +63,7 @@ class _Bucket:
     offsets: list[int] = field(default_factory=list)
     padded: int = 0
     arrived: set = field(default_factory=set)
+    accumulate: set = field(default_factory=set)  # members that had a .grad already: the sum is added to it
     data: torch.Tensor | None = None
     step: int = -1  # the step running; len(unit) when summed
     work: object = None
@@ -76,11 +79,16 @@ class _Bucket:
     def full(self) -> bool:
         return len(self.arrived) == len(self.entries)
 
-    def add(self, index: int, grad: torch.Tensor) -> None:
+    def add(self, index: int, grad: torch.Tensor) -> bool:
+        """Copy a member's arriving gradient in; True when its parameter already holds a ``.grad``."""
         if self.data is None:
             self.data = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         self.data[self.offsets[index]:self.offsets[index + 1]].copy_(grad.reshape(-1))
         self.arrived.add(index)
+        if self.entries[index].param.grad is not None:
+            self.accumulate.add(index)
+            return True
+        return False
 
     def advance(self, block: bool) -> None:
         """Start the next step once the running one is done; with ``block``, run every step to the end."""
@@ -114,8 +122,11 @@ class _Bucket:
             if i not in self.arrived:
                 continue
             piece = self.data[self.offsets[i]:self.offsets[i + 1]].view_as(e.param)
-            e.param.grad = piece.clone() if e.param.grad is None else e.param.grad.add_(piece)
-        self.arrived, self.data, self.step, self.work, self.out = set(), None, -1, None, None
+            if i in self.accumulate:
+                e.param.grad.add_(piece)
+            else:  # autograd stored the partial gradient: the sum replaces it
+                e.param.grad = piece
+        self.arrived, self.accumulate, self.data, self.step, self.work, self.out = set(), set(), None, -1, None, None
 
 
 @dataclass
@@ -155,22 +166,24 @@ class GradientReducer:
             e.param.register_hook(self._hook(i))
 
     def _hook(self, i: int):
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            self.ready(i, grad)
-            return torch.zeros_like(grad)  # the sum is added into .grad when the backward pass ends
+        def hook(grad: torch.Tensor):
+            if self.ready(i, grad):
+                return torch.zeros_like(grad)  # the sum is added into the existing .grad when backward ends
+            return None  # autograd keeps the partial gradient; the sum replaces it when backward ends
         return hook
 
-    def ready(self, i: int, grad: torch.Tensor) -> None:
+    def ready(self, i: int, grad: torch.Tensor) -> bool:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self._queued = True
         bucket, k = self._place[i]
-        bucket.add(k, grad.detach())
+        accumulating = bucket.add(k, grad.detach())
         if bucket.full and bucket.step < 0:
             bucket.advance(block=False)
         for b in self.buckets:  # move multi-step sums along
             if 0 <= b.step < len(b.unit):
                 b.advance(block=False)
+        return accumulating
 
     def finish(self) -> None:
         self._queued = False

@@ -1,8 +1,9 @@
 """The plans a person would otherwise write, costed through the same pipeline as autotp's own.
 
 - **replicated**: every tensor whole on every device (the single-device program, N times);
-- **data-parallel**: parameters whole, and every tensor whose dim 0 is a
-  multiple of the batch split on dim 0 over every mesh axis (`data_parallel_only`
+- **data-parallel**: parameters whole, and every tensor that carries the
+  batch (made from an input whose dim 0 is the batch, its own dim 0 a
+  multiple of it) split on dim 0 over every mesh axis (`data_parallel_only`
   alone would let the ILP keep a small model replicated);
 - **megatron**: column-parallel q/k/v/up/gate and row-parallel o/down/proj on the
   last mesh axis, every other parameter replicated; activation layouts are left
@@ -73,7 +74,7 @@ def baseline_plans(model, mesh, example_inputs, example_kwargs=None, captured=No
     captured = captured or capture_model(model, example_inputs, example_kwargs, replay)
     out = []
     for name in NAMES:
-        kwargs, why = _constraints(name, model, mesh, example_inputs)
+        kwargs, why = _constraints(name, model, mesh, example_inputs, captured.graph)
         if why:
             out.append(Baseline(name, None, why))
             continue
@@ -84,7 +85,7 @@ def baseline_plans(model, mesh, example_inputs, example_kwargs=None, captured=No
     return out
 
 
-def _constraints(name: str, model, mesh, example_inputs) -> tuple[dict, str]:
+def _constraints(name: str, model, mesh, example_inputs, graph) -> tuple[dict, str]:
     """The pins or filter of one baseline, or why it does not apply to this model."""
     if name == "replicated":
         return {"allow": replicated_only}, ""
@@ -92,7 +93,7 @@ def _constraints(name: str, model, mesh, example_inputs) -> tuple[dict, str]:
         batch = _batch_size(example_inputs)
         if batch is None or batch % mesh.size:
             return {}, f"the batch ({batch}) does not split over {mesh.size} devices"
-        return {"allow": batch_split_only(batch)}, ""
+        return {"allow": batch_split_only(batch, graph)}, ""
     styles = megatron_styles(model)
     if not styles:
         return {}, "no Linear layers named q/k/v/up/gate or o/down/proj"
@@ -121,16 +122,32 @@ def sequence_parallel_only(width: int, axis: int):
     return allow
 
 
-def batch_split_only(batch: int):
-    """A filter for pure data parallelism: tensors that carry the batch on dim 0 are split there on every axis."""
+def batch_split_only(batch: int, graph=None):
+    """A filter for pure data parallelism: tensors that carry the batch are split on dim 0 on every axis.
+
+    A tensor carries the batch when its dim 0 is a multiple of ``batch`` and,
+    given the ``graph`` (an `OpGraph`), it is made from an input whose dim 0
+    is the batch: a sequence-length vector of a position embedding or of a
+    causal mask, whose length the batch may divide, does not.
+    """
+    carriers = None if graph is None else batch_carriers(graph, batch)
 
     def allow(op, strategy) -> bool:
         if not data_parallel_only(op, strategy):
             return False
-        carries_batch = op.kind != KIND_PARAM and op.out and op.out[0].shape and op.out[0].shape[0] % batch == 0
+        carries_batch = (op.kind != KIND_PARAM and op.out and op.out[0].shape and op.out[0].shape[0] % batch == 0
+                         and (carriers is None or op.name in carriers))
         return not carries_batch or all(p == Shard(0) for p in strategy.out)
 
     return allow
+
+
+def batch_carriers(graph, batch: int) -> set[str]:
+    """Nodes made from a program input whose dim 0 is ``batch``."""
+    import networkx as nx
+
+    starts = [op.name for op in graph.nodes() if op.kind == "input" and op.out[0].shape[:1] == (batch,)]
+    return set(starts).union(*(nx.descendants(graph.graph, name) for name in starts))
 
 
 def _batch_size(example_inputs) -> int | None:

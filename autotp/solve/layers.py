@@ -4,9 +4,8 @@ A Llama-2-70B has 80 decoder layers that differ only in their weights. Their
 ops have the same shapes, so they have the same strategies and the same costs;
 giving each layer its own variables makes the ILP 80 times larger for nothing
 and lets solve time grow with depth. Here the groups of every layer are folded
-into the groups of the first layer with the same structure, exactly as
-followers join a leader: one choice is made for all of them, and their costs
-add up. Each layer's edges are still costed on their own (the first layer's
+into the groups of the first layer with the same structure: one choice is
+made for all of them, and their costs add up. Each layer's edges are still costed on their own (the first layer's
 input comes from the embedding, the others' from the previous layer).
 
 This is a restriction, like every plan tool's "same plan for every block":

@@ -25,14 +25,16 @@ class AxisOption:
 
     ``impl`` names a local implementation other than the op itself (see
     ``autotp.lower.impls``), e.g. a vocabulary-parallel embedding that masks the
-    rows another device holds. ``inner_all_reduces`` counts the all-reduces of
-    one value per row that such an implementation runs on this axis.
+    rows another device holds. ``inner_all_reduces`` counts the all-reduces
+    such an implementation runs on this axis, of one value per row (or of one
+    value in all, without ``inner_per_row``).
     """
 
     out: object
     ins: tuple
     impl: str | None = None
     inner_all_reduces: int = 0
+    inner_per_row: bool = True
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Strategy:
     ins: tuple  # one layout (tuple over mesh axes) per tensor input
     impl: str | None = None  # a special local implementation (see AxisOption)
     inner_all_reduces: tuple = ()  # per mesh axis, all-reduces run inside the implementation
+    inner_per_row: bool = True  # each of them moves one value per local row (else one value)
 
     def grad_allreduce_axes(self, i: int) -> tuple[int, ...]:
         """Mesh axes on which input ``i``'s local gradient is a partial sum although the input is R.
@@ -70,10 +73,9 @@ Rule = Callable[[object], list]  # OpNode -> list[AxisOption]
 
 @dataclass(frozen=True)
 class RuleEntry:
-    """A registered rule; ``follower`` ops take their producer's choice when they can."""
+    """A registered rule."""
 
     fn: Rule
-    follower: bool = False
 
 
 def replicate_option(n_inputs: int) -> AxisOption:
@@ -90,7 +92,8 @@ def expand(op, options: list, mesh_shape) -> list[Strategy]:
             continue
         s = Strategy(out=tuple(o.out for o in combo),
                      ins=tuple(tuple(o.ins[i] for o in combo) for i in range(len(op.inputs))),
-                     impl=next(iter(impls), None), inner_all_reduces=tuple(o.inner_all_reduces for o in combo))
+                     impl=next(iter(impls), None), inner_all_reduces=tuple(o.inner_all_reduces for o in combo),
+                     inner_per_row=all(o.inner_per_row for o in combo))
         if s in seen or not _fits(op, s, mesh_shape):
             continue
         seen.add(s)

@@ -12,10 +12,9 @@ from autotp.placement import Partial, R, Shard
 
 @dataclass
 class OpStrategies:
-    """Strategies per node name, which ops follow their producer, and why ops fell back."""
+    """Strategies per node name, and why ops fell back."""
 
     by_node: dict[str, list[Strategy]]
-    followers: set[str] = field(default_factory=set)
     fallback: dict[str, str] = field(default_factory=dict)
 
 
@@ -31,34 +30,32 @@ def enumerate_strategies(graph: OpGraph, mesh_shape, registry) -> OpStrategies:
     `op_signature` (the same op in each of 80 identical layers) are enumerated once.
     """
     result = OpStrategies(by_node={})
-    seen: dict[tuple, tuple[list[Strategy], str | None, bool]] = {}
+    seen: dict[tuple, tuple[list[Strategy], str | None]] = {}
     for op in graph.nodes():
         key = op_signature(op)
         if key not in seen:
             seen[key] = _strategies_of(op, mesh_shape, registry)
-        strategies, reason, follower = seen[key]
+        strategies, reason = seen[key]
         result.by_node[op.name] = list(strategies)
-        if follower:
-            result.followers.add(op.name)
         if reason:
             result.fallback[op.name] = reason
     return result
 
 
-def _strategies_of(op, mesh_shape, registry) -> tuple[list[Strategy], str | None, bool]:
-    """``(strategies, reason it fell back or None, whether it follows its producer)`` for one op."""
+def _strategies_of(op, mesh_shape, registry) -> tuple[list[Strategy], str | None]:
+    """``(strategies, reason it fell back or None)`` for one op."""
     if op.kind == KIND_PARAM:
-        return expand(op, _param_options(op), mesh_shape), None, False
+        return expand(op, _param_options(op), mesh_shape), None
     if op.kind != KIND_OP:
-        return expand(op, [], mesh_shape), None, False
+        return expand(op, [], mesh_shape), None
     entry = registry.get(op.target)
     if entry is None:
-        return expand(op, [], mesh_shape), f"no strategy rule for {op.op_name}", False
+        return expand(op, [], mesh_shape), f"no strategy rule for {op.op_name}"
     try:
         options, reason = entry.fn(op), None
     except Exception as exc:  # noqa: BLE001 - a rule that cannot handle an op replicates it
         options, reason = [], f"rule for {op.op_name} failed on these shapes ({type(exc).__name__}: {exc})"
-    return expand(op, options, mesh_shape), reason, entry.follower
+    return expand(op, options, mesh_shape), reason
 
 
 def replicated_strategy(op, mesh_ndim: int) -> Strategy:
@@ -70,8 +67,8 @@ def prune_unreachable(graph: OpGraph, strategies: OpStrategies) -> None:
 
     Walks in topological order, so the check is transitive: a bias add cannot
     be P (its bias is a parameter), so a residual add that would need it as P is
-    dropped too. Without this, follower merging could tie a group to choices
-    the ILP cannot satisfy.
+    dropped too. Without this, identical layers sharing a choice could be tied
+    to choices the ILP cannot satisfy.
     """
     for op in graph.nodes():
         options = strategies.by_node[op.name]

@@ -2,7 +2,10 @@
 
 ``reduction='none'`` keeps one loss per row, so rows split cleanly; ``'sum'``
 leaves a partial sum. ``'mean'`` (the default) divides by the count of rows that
-are not ignored, which differs per device, so rows are not split for it.
+are not ignored (or their targets' class weights), which differs per device:
+rows split for it with an implementation that sums both over the devices,
+two all-reduces of one number, and divides (``batch_mean``; data
+parallelism's loss, exact however many targets each device ignores).
 
 The class dim may be split too (vocabulary-parallel loss, as in Megatron): each
 device reduces its slice of the logits, and three all-reduces of one number per
@@ -24,12 +27,18 @@ def cross_entropy_rule(op):
     options = []
     if len(x.shape) == 2 and len(op.inputs) == 2 and loss_arg(op.args, op.kwargs, "label_smoothing") == 0.0:
         options.append(AxisOption(R, (Shard(1), R), impl=VOCAB_PARALLEL, inner_all_reduces=3))
-    if len(x.shape) < 2 or x.shape[0] == 1 or reduction == REDUCTION_MEAN:
+    if len(x.shape) < 2 or x.shape[0] == 1:
         return options
-    out = Shard(0) if reduction == REDUCTION_NONE else P
     # inputs: logits, target, then an optional class-weight vector that stays whole
-    rest = (Shard(0),) + (R,) * (len(op.inputs) - 2)
-    return options + [AxisOption(out, (Shard(0),) + rest)]
+    ins = (Shard(0), Shard(0)) + (R,) * (len(op.inputs) - 2)
+    if reduction == REDUCTION_MEAN:
+        if loss_arg(op.args, op.kwargs, "label_smoothing") != 0.0:
+            return options
+        return options + [AxisOption(R, ins, impl=BATCH_MEAN, inner_all_reduces=2, inner_per_row=False)]
+    return options + [AxisOption(Shard(0) if reduction == REDUCTION_NONE else P, ins)]
+
+
+BATCH_MEAN = "batch_mean"
 
 
 _ARGS = {"reduction": (3, REDUCTION_MEAN), "ignore_index": (4, -100), "label_smoothing": (5, 0.0)}

@@ -1,4 +1,4 @@
-"""view, reshape, transpose, permute, unsqueeze, expand, slice, split, chunk, cat, getitem.
+"""view, reshape, transpose, permute, unsqueeze, expand, slice, pad, split, chunk, cat, getitem.
 
 The hard one is a view that splits or merges a sharded dim, as the attention
 head split ``[b, s, h*d] -> [b, s, h, d]`` does. `view_dim_map` groups input and
@@ -106,6 +106,17 @@ def _all_but(op, dim: int):
 def slice_rule(op):
     dim = op.args[1] if len(op.args) > 1 else 0
     return _all_but(op, dim) + _passthrough_partial(op)
+
+
+def pad_rule(op):
+    """Constant pad: any dim it does not pad may be split (``pad`` lists (before, after) from the last dim)."""
+    nd = len(op.in_metas[0].shape)
+    pads = list(op.args[1]) if len(op.args) > 1 else list(op.kwargs.get("pad", []))
+    mode = op.args[2] if len(op.args) > 2 else op.kwargs.get("mode", "constant")
+    if mode != "constant":
+        return []
+    padded = {nd - 1 - k // 2 for k, amount in enumerate(pads) if amount}
+    return [AxisOption(Shard(d), (Shard(d),)) for d in range(nd) if d not in padded]
 
 
 def split_rule(op):
