@@ -33,7 +33,8 @@ def main() -> None:
         best = min(p.predicted["total_s"] for p in baselines.values() if p is not None)
         cells = [f"{p.predicted['total_s'] * 1e3:.3f} ms" if p is not None else "n/a" for p in baselines.values()]
         error = plan.predicted["objective_s"] - plan.predicted["total_s"]
-        print(f"| {_name((spec, str(mesh.shape[0]) if mesh.ndim == 1 else "x".join(map(str, mesh.shape)), links, profile))} | {plan.predicted['total_s'] * 1e3:.3f} ms | "
+        shape = "x".join(map(str, mesh.shape))
+        print(f"| {_name((spec, shape, links, profile))} | {plan.predicted['total_s'] * 1e3:.3f} ms | "
               f"{' | '.join(cells)} | {plan.predicted['total_s'] / best:.3f} | {error:.1e} s | {seconds:.1f} |",
               flush=True)
 

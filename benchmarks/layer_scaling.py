@@ -32,7 +32,8 @@ SETTINGS = {  # (share_layers, replay_layers) -> label and colour in the plots
 
 def measure(layers: int, share: bool, replay: bool, mesh: str, solver: str) -> dict:
     model, args, kwargs = shapes.llama2_70b(layers=layers)
-    plan = autotp.plan(model, mesh, args, kwargs, share_layers=share, replay_layers=replay, solver=solver)
+    plan = autotp.plan(model, mesh, args, kwargs, share_layers=share, replay_layers=replay, solver=solver,
+                       memory_limit=None)
     return {"layers": layers, "setting": (share, replay), "ops": plan.ilp["ops"], "groups": plan.ilp["groups"],
             "variables": plan.ilp["variables"], "capture_s": plan.stats["stages_s"]["capturing"],
             "solve_s": plan.stats["solve_s"], "plan_s": plan.stats["plan_s"],

@@ -21,7 +21,9 @@ processes in ``--worlds``:
   Hugging Face ``tp_plan`` (column-parallel q/k/v/gate/up and ``lm_head``,
   row-parallel o/down, embedding by rows), every rank the whole batch;
 - ``one process``: the eager model on the whole batch, in one process using
-  every core (run on its own, after the others).
+  every core (run on its own, after the others), and beside it
+  ``autotp, mesh of 1``: the rank program of a plan for one device, which
+  says what the captured graph itself costs against eager.
 
 The multi-process rows run interleaved (ABCDE ABCDE ...) after a barrier, so
 the load of this shared machine falls on all of them alike. A step's time is
@@ -182,9 +184,12 @@ def _run_parallel(rank, world, plans, hf_plan, sizes, steps, warmup):
     return measure(variants, steps, warmup)
 
 
-def _run_single(rank, world, sizes, steps, warmup):
+def _run_single(rank, world, one, sizes, steps, warmup):
     model, args, kwargs = build(*sizes)
-    return measure([Variant("one process", model, args, kwargs, CommCounter())], steps, warmup, barrier=False)
+    compiled = autotp.parallelize(build(*sizes)[0], one, rank=0)
+    variants = [Variant("one process", model, args, kwargs, CommCounter()),
+                Variant("autotp, mesh of 1", compiled, args, kwargs, CommCounter())]
+    return measure(variants, steps, warmup, barrier=False)
 
 
 def _calibrate(rank, world, out_dir):
@@ -202,14 +207,14 @@ def step_time_s(per_rank: list[dict], variant: str) -> float:
 
 def report(world: int, per_rank: list[dict], single: list[dict], plans: dict) -> None:
     measured = {v: step_time_s(per_rank, v) for v in per_rank[0]}
-    measured["one process"] = step_time_s(single, "one process")
+    measured |= {v: step_time_s(single, v) for v in single[0]}
     best = min(measured[v] for v in ("one process", "DDP", "DTensor + HF tp_plan"))
     print(f"\n### {world} gloo processes\n")
     print("| variant | step (ms, median) | × best of one process, DDP, DTensor | × DDP | predicted (ms) | "
           "collectives / step | MiB moved / step |")
     print("|---|---|---|---|---|---|---|")
     for v, t in measured.items():
-        rows = single if v == "one process" else per_rank
+        rows = single if v in single[0] else per_rank
         predicted = f"{plans[v].predicted['total_s'] * 1e3:.1f}" if v in plans else ""
         print(f"| {v} | {t * 1e3:.1f} | {t / best:.2f} | {t / measured['DDP']:.2f} | {predicted} | "
               f"{rows[0][v]['count']} | {rows[0][v]['bytes'] / 2**20:.2f} |")
@@ -244,7 +249,8 @@ def main() -> None:
                                                               allow=data_parallel)}
             hf_plan = autotp.plan(model, mesh, args, kwargs, profile=PROFILE, pin=hf_tp_plan_pins(model))
             per_rank = spawn(_run_parallel, world, plans, hf_plan, sizes, opts.steps, opts.warmup, timeout_s=3600)
-            single = spawn(_run_single, 1, sizes, opts.steps, opts.warmup, timeout_s=3600)
+            one = autotp.plan(model, autotp.Mesh("1", links="loopback"), args, kwargs, profile=PROFILE)
+            single = spawn(_run_single, 1, one, sizes, opts.steps, opts.warmup, timeout_s=3600)
             report(world, per_rank, single, plans)
     print(f"\n{time.perf_counter() - started:.0f} s in all")
 

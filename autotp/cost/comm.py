@@ -79,12 +79,12 @@ def inner_all_reduces(op, strategy, mesh) -> list[tuple[int, int]]:
     """``(axis, message_bytes)`` of each all-reduce a strategy's own implementation runs.
 
     The vocabulary-parallel loss reduces one fp32 value per local row, three
-    times; the batch-split mean loss one value, twice (the sum and the count).
+    times; the batch-split mean loss two values once (the sum and the count).
     """
     if not any(strategy.inner_all_reduces):
         return []
-    rows = op.in_metas[0].shape[0] // shard_factor(strategy.ins[0], 0, mesh.shape) if strategy.inner_per_row else 1
-    return [(axis, rows * 4) for axis, calls in enumerate(strategy.inner_all_reduces)
+    values = strategy.inner_values or op.in_metas[0].shape[0] // shard_factor(strategy.ins[0], 0, mesh.shape)
+    return [(axis, values * 4) for axis, calls in enumerate(strategy.inner_all_reduces)
             if mesh.shape[axis] > 1 for _ in range(calls)]
 
 

@@ -11,8 +11,8 @@ data parallelism's loss:
   logit), without gathering the logits.
 - `BatchMeanCrossEntropy`: the mean loss of rows split over devices: the
   sum of the losses and the count (or class weight) of the targets not
-  ignored, each summed over the devices, then divided: the single device's
-  mean, however many targets each device ignores.
+  ignored, summed over the devices in one all-reduce, then divided: the
+  single device's mean, however many targets each device ignores.
 """
 
 from __future__ import annotations
@@ -91,10 +91,10 @@ class BatchMeanCrossEntropy(nn.Module):
         total = torch.ops.aten.cross_entropy_loss.default(logits, target, weight, REDUCTION_SUM, self.ignore_index)
         valid = target != self.ignore_index
         counted = (weight[target.clamp(min=0)] * valid if weight is not None else valid).sum().to(total.dtype)
-        for comm in self.comms:  # partial sums over the row split -> whole
-            total = all_reduce_partial(total, comm)
-            counted = all_reduce_partial(counted, comm)
-        return total / counted
+        both = torch.stack([total, counted])
+        for comm in self.comms:  # partial sums over the row split -> whole, in one all-reduce of two numbers
+            both = all_reduce_partial(both, comm)
+        return both[0] / both[1]
 
     def extra_repr(self) -> str:
         return f"rows split over {[c.name for c in self.comms]}"

@@ -7,7 +7,9 @@ the layouts its consumers were given (outgoing), and the memory it keeps per
 device. These are the cost functions the ILP's problem is built from
 (`autotp.solve.problem`). The ILP chose jointly over all ops, so the cheapest
 row here is not always the chosen one: a choice can pay locally to save
-elsewhere, most often by sharing a choice with the ops merged into its group.
+elsewhere (a redistribution shared with other uses of the same tensor, a
+gradient sum hidden behind the backward pass, or the choice of an identical
+layer it must share).
 """
 
 from __future__ import annotations

@@ -26,15 +26,15 @@ class AxisOption:
     ``impl`` names a local implementation other than the op itself (see
     ``autotp.lower.impls``), e.g. a vocabulary-parallel embedding that masks the
     rows another device holds. ``inner_all_reduces`` counts the all-reduces
-    such an implementation runs on this axis, of one value per row (or of one
-    value in all, without ``inner_per_row``).
+    such an implementation runs on this axis, of one value per row, or of
+    ``inner_values`` values in all when that is set.
     """
 
     out: object
     ins: tuple
     impl: str | None = None
     inner_all_reduces: int = 0
-    inner_per_row: bool = True
+    inner_values: int | None = None
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Strategy:
     ins: tuple  # one layout (tuple over mesh axes) per tensor input
     impl: str | None = None  # a special local implementation (see AxisOption)
     inner_all_reduces: tuple = ()  # per mesh axis, all-reduces run inside the implementation
-    inner_per_row: bool = True  # each of them moves one value per local row (else one value)
+    inner_values: int | None = None  # each of them moves one value per local row, or this many values
 
     def grad_allreduce_axes(self, i: int) -> tuple[int, ...]:
         """Mesh axes on which input ``i``'s local gradient is a partial sum although the input is R.
@@ -93,7 +93,7 @@ def expand(op, options: list, mesh_shape) -> list[Strategy]:
         s = Strategy(out=tuple(o.out for o in combo),
                      ins=tuple(tuple(o.ins[i] for o in combo) for i in range(len(op.inputs))),
                      impl=next(iter(impls), None), inner_all_reduces=tuple(o.inner_all_reduces for o in combo),
-                     inner_per_row=all(o.inner_per_row for o in combo))
+                     inner_values=next((o.inner_values for o in combo if o.inner_values), None))
         if s in seen or not _fits(op, s, mesh_shape):
             continue
         seen.add(s)

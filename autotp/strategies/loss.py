@@ -4,7 +4,7 @@
 leaves a partial sum. ``'mean'`` (the default) divides by the count of rows that
 are not ignored (or their targets' class weights), which differs per device:
 rows split for it with an implementation that sums both over the devices,
-two all-reduces of one number, and divides (``batch_mean``; data
+one all-reduce of two numbers, and divides (``batch_mean``; data
 parallelism's loss, exact however many targets each device ignores).
 
 The class dim may be split too (vocabulary-parallel loss, as in Megatron): each
@@ -34,7 +34,7 @@ def cross_entropy_rule(op):
     if reduction == REDUCTION_MEAN:
         if loss_arg(op.args, op.kwargs, "label_smoothing") != 0.0:
             return options
-        return options + [AxisOption(R, ins, impl=BATCH_MEAN, inner_all_reduces=2, inner_per_row=False)]
+        return options + [AxisOption(R, ins, impl=BATCH_MEAN, inner_all_reduces=1, inner_values=2)]
     return options + [AxisOption(Shard(0) if reduction == REDUCTION_NONE else P, ins)]
 
 
