@@ -69,8 +69,8 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
       buckets of ``bucket_cap_mb`` (DDP's 25 MiB) behind the backward pass;
       False runs (and prices) them where they are used;
     * ``whole_outputs``: every output comes back replicated; by default an
-      output stays as produced (a batch split stays split, as with DDP) and
-      only partial sums are summed; ``plan.io`` says each output's layout;
+      output split by rows stays so (each rank its own rows, as with DDP) and
+      anything else is made whole; ``plan.io`` says each output's layout;
     * ``memory_limit`` (``"80GB"`` or bytes) bounds the predicted memory per
       device (parameters, gradients, Adam state and saved activations). The
       default, ``"auto"``, is the profile's device memory less 5% for training
@@ -80,8 +80,8 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     ``progress`` (an `autotp.progress.Stages`) reports each stage and its time
     on stderr; by default nothing is printed. ``share_layers`` gives identical
     layers one choice in the ILP, so solve time stays flat as depth grows
-    (`autotp.solve.layers`). ``solver`` is ``"auto"`` (HiGHS under a binding
-    memory limit when highspy is installed, else CBC), ``"cbc"`` or ``"highs"``.
+    (`autotp.solve.layers`; a restriction: docs/planning.md). ``solver`` is
+    ``"auto"`` (HiGHS, or CBC when highspy is missing), ``"cbc"`` or ``"highs"``.
     ``replay_layers`` traces the first few of a deep stack of identical layers
     and copies the last for the rest, after checking that they repeat
     (`autotp.capture.replay`; the plan records it, so `parallelize` captures alike).
@@ -147,6 +147,7 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
     result.stats = {"plan_s": time.perf_counter() - started, "solve_s": solution.solve_s,
                     "stages_s": dict(stages.times), "solver": solution.solver, "memory_limit": limit,
                     "gap": solution.gap or 0.0,  # > 0 only when time_limit_s stopped the solver early
+                    "constrained": bool(pin or allow),  # the search space was narrowed: baselines may lie outside
                     "capture": captured.gm.meta["autotp_capture"]}
     return result
 

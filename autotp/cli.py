@@ -308,8 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
                    help="gradient bucket size in MiB (default 25, as DDP)")
     p.add_argument("--whole-outputs", action="store_true",
-                   help="return every output replicated on every rank (default: as produced, a batch split "
-                        "stays split, as with DDP)")
+                   help="return every output replicated on every rank (default: each rank its own rows where "
+                        "the plan splits the batch, as with DDP; whole otherwise)")
     _add_hf_flags(p)
     p.add_argument("--tp-plan", default=None, help="cost and compile this Hugging Face-style tp_plan JSON "
                    "(module pattern -> colwise | rowwise) instead of choosing weight splits")

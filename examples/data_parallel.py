@@ -49,7 +49,7 @@ def train(module, plan=None, rank=0) -> tuple[list[float], object]:
     _, batches = model_and_batches()
     losses = []
     for ids in batches:
-        args, kwargs = (ids,), {"labels": ids}
+        args, kwargs = (ids,), {"labels": ids.clone()}  # a tensor of its own: each rank cuts both
         if plan is not None:
             args, kwargs = local_inputs(plan, rank, args, kwargs)
         loss = module(*args, **kwargs)["loss"]
@@ -75,8 +75,8 @@ def main() -> int:
     model, batches = model_and_batches()
     ids = batches[0]
     mesh = autotp.Mesh("4", links="loopback")
-    graph = capture_model(model, (ids,), {"labels": ids}).graph
-    plan = autotp.plan(model, mesh, (ids,), {"labels": ids}, profile="cpu-2core-4proc",
+    graph = capture_model(model, (ids,), {"labels": ids.clone()}).graph
+    plan = autotp.plan(model, mesh, (ids,), {"labels": ids.clone()}, profile="cpu-2core-4proc",
                        allow=batch_split_only(BATCH, graph))
     print(f"inputs each rank may take: {plan.io['inputs']}; outputs: {plan.io['outputs']}")
     results = spawn(run_rank, mesh.size, plan)

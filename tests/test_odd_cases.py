@@ -164,9 +164,9 @@ def make(name: str):
     raise ValueError(name)
 
 
-def _plan(name: str, mesh, allow=None):
+def _plan(name: str, mesh, allow=None, pin=None):
     model, args, kwargs = make(name)
-    return autotp.plan(model, mesh, args, kwargs, profile=compute_bound_profile(), allow=allow)
+    return autotp.plan(model, mesh, args, kwargs, profile=compute_bound_profile(), allow=allow, pin=pin)
 
 
 def _run(rank, world, cases):
@@ -197,10 +197,12 @@ DATA_PARALLEL_TOO = ("batchnorm", "batchnorm_eval", "ints", "multi", "zero")  # 
 def test_odd_models_are_exact_on_two_ranks():
     mesh = autotp.Mesh("2")
     cases = [(name, "ilp", _plan(name, mesh)) for name in TWO_RANK_MODELS]
+    # eval-mode BatchNorm split by channels (the free choice splits the batch: its outputs come back by rows)
+    cases += [("batchnorm_eval", "channels", _plan("batchnorm_eval", mesh, pin={"bn.weight": ("S(0)",)}))]
     cases += [(name, "data_parallel", _plan(name, mesh, data_parallel_only)) for name in DATA_PARALLEL_TOO]
     plans = {(name, kind): plan for name, kind, plan in cases}
     # the plans really split: the ILP's splits the layers (channels included), data parallel the batch
-    assert plans["batchnorm_eval", "ilp"].nodes["batch_norm"].out == ("S(1)",)
+    assert plans["batchnorm_eval", "channels"].nodes["batch_norm"].out == ("S(1)",)
     assert plans["inplace", "ilp"].parameters["fc.weight"] == ("S(0)",)
     assert plans["uneven", "ilp"].nodes["linear"].out == ("S(0)",)  # hidden 7 and width 10 stay whole
     for name in DATA_PARALLEL_TOO:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
 import autotp
 from autotp.model_spec import ModelSpec, build

@@ -26,7 +26,7 @@ from autotp.report.explain import ExplainError, explain_node, resolve
 from autotp.report.png import Canvas, decode_png
 from autotp.report.rebuild import all_strategies, chosen_strategies, rebuild_graph
 from autotp.solve.plan import Plan
-from conftest import compute_bound_profile, weights_bound_profile
+from conftest import weights_bound_profile
 
 LLAMA = ["hf:llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
          "--vocab", "128", "--batch", "4", "--seq", "8"]

@@ -61,7 +61,7 @@ def _random_fanout(rng, problem: Problem) -> FanOut:
     producer = rng.choice(names)
     nu = problem.groups[producer].n
     keys = rng.randint(1, 3)  # target layouts the uses may ask for
-    fanout = FanOut(producer, [], [], [], [])
+    fanout = FanOut(producer, [], [], [])
     index = {}
     for _ in range(rng.randint(2, 3)):
         consumer = rng.choice(names + [None])
@@ -80,7 +80,6 @@ def _random_fanout(rng, problem: Problem) -> FanOut:
                     index[i, key] = len(fanout.cost_s)
                     fanout.cost_s.append(rng.choice([1.0, 2.0, 3.0]))
                     fanout.ident.append((rng.randrange(2), key))  # producer choices may share a source layout
-                    fanout.choice.append(i)
                 row.append(index[i, key])
             items.append(row)
         fanout.arms.append(Arm(consumer, items))

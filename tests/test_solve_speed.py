@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import functools
 
-import itertools
-import math
-import random
 
 import pytest
 import torch
@@ -24,8 +21,7 @@ from autotp.cost.profile import load_profile
 from autotp.graph import build_opgraph
 from autotp.solve.backends import highs_available
 from autotp.solve.ilp import _BYTES, MemoryInfeasible, solve
-from autotp.solve.problem import Group, Problem, build_problem
-from autotp.solve.reduce import reduce_problem
+from autotp.solve.problem import Problem, build_problem
 from autotp.strategies import default_registry, enumerate_strategies
 from autotp.strategies.enumerate import prune_unreachable
 from conftest import compute_bound_profile

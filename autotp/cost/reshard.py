@@ -26,6 +26,24 @@ from autotp.cost.comm import DEFAULT_BUCKET_BYTES, bucketed_step_time_s, step_ti
 from autotp.redistribute import Unsupported, is_gradient_sum, step_options
 
 
+def step_seconds(steps, mesh, profile, grad: bool, deferred: bool = False,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[list[float], list[float], bool]:
+    """``(forward seconds per step, backward seconds per step, bucketed)``; backward only when ``grad``.
+
+    A ``deferred`` edge whose steps are a pure gradient sum is priced at the
+    bucket's rates and marked ``bucketed``; it runs behind the backward pass.
+    """
+    forward = [step_time_s(s.forward_kind, s, mesh, profile) if s.forward_kind else 0.0 for s in steps]
+    if not grad:
+        return forward, [0.0] * len(steps), False
+    bucketed = deferred and is_gradient_sum(steps, mesh.shape)
+    size = max((s.message_bytes for s in steps if s.backward_kind), default=0)
+    backward = [0.0 if not s.backward_kind
+                else bucketed_step_time_s(s.backward_kind, s, size, mesh, profile, bucket_bytes) if bucketed
+                else step_time_s(s.backward_kind, s, mesh, profile) for s in steps]
+    return forward, backward, bucketed
+
+
 def steps_times_s(steps, mesh, profile, grad: bool, deferred: bool = False,
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[float, float]:
     """``(exposed, gradient)`` seconds of ``steps``; backward duals only when ``grad``.
@@ -33,15 +51,8 @@ def steps_times_s(steps, mesh, profile, grad: bool, deferred: bool = False,
     ``gradient`` is non-zero only for a ``deferred`` edge whose steps are a
     pure gradient sum; everything else is on the critical path.
     """
-    exposed = sum(step_time_s(s.forward_kind, s, mesh, profile) for s in steps if s.forward_kind)
-    if not grad:
-        return exposed, 0.0
-    backward = [s for s in steps if s.backward_kind]
-    if deferred and is_gradient_sum(steps, mesh.shape):
-        size = max(s.message_bytes for s in backward)
-        return exposed, sum(bucketed_step_time_s(s.backward_kind, s, size, mesh, profile, bucket_bytes)
-                            for s in backward)
-    return exposed + sum(step_time_s(s.backward_kind, s, mesh, profile) for s in backward), 0.0
+    forward, backward, bucketed = step_seconds(steps, mesh, profile, grad, deferred, bucket_bytes)
+    return (sum(forward), sum(backward)) if bucketed else (sum(forward) + sum(backward), 0.0)
 
 
 def cheapest_steps(src, dst, meta, mesh, profile, grad: bool, grad_axes=(), deferred: bool = False,
@@ -64,8 +75,3 @@ def edge_times_s(src, dst, meta, mesh, profile, training: bool, requires_grad: b
     except Unsupported:
         return math.inf, 0.0
     return steps_times_s(steps, mesh, profile, grad, deferred, bucket_bytes)
-
-
-def edge_time_s(src, dst, meta, mesh, profile, training: bool, requires_grad: bool, grad_axes=()) -> float:
-    """Seconds to turn ``src`` into ``dst`` (forward, and backward when training); inf if impossible."""
-    return sum(edge_times_s(src, dst, meta, mesh, profile, training, requires_grad, grad_axes))

@@ -90,7 +90,7 @@ class BatchMeanCrossEntropy(nn.Module):
     def forward(self, logits, target, weight=None):
         total = torch.ops.aten.cross_entropy_loss.default(logits, target, weight, REDUCTION_SUM, self.ignore_index)
         valid = target != self.ignore_index
-        counted = (weight[target.clamp(min=0)] * valid if weight is not None else valid).sum().to(total.dtype)
+        counted = (weight[torch.where(valid, target, 0)] * valid if weight is not None else valid).sum().to(total.dtype)
         both = torch.stack([total, counted])
         for comm in self.comms:  # partial sums over the row split -> whole, in one all-reduce of two numbers
             both = all_reduce_partial(both, comm)
@@ -104,7 +104,7 @@ def build_impl(impl: str, target, op_args: tuple, op_kwargs: dict, in_layouts, i
                comms) -> nn.Module:
     """The module implementing strategy ``impl`` of op ``target`` for one node on this device."""
     if impl == BATCH_MEAN:
-        axes = [a for a, p in enumerate(in_layouts[0]) if isinstance(p, Shard) and p.dim == 0]
+        axes = [a for a, p in enumerate(in_layouts[0]) if isinstance(p, Shard) and p.dim == 0 and mesh_shape[a] > 1]
         return BatchMeanCrossEntropy([comms[a] for a in axes], loss_arg(op_args, op_kwargs, "ignore_index"))
     if impl == "vocab_parallel" and target == torch.ops.aten.cross_entropy_loss.default:
         return _cross_entropy(op_args, op_kwargs, in_layouts, in_shapes, coords, mesh_shape, comms)

@@ -11,16 +11,27 @@ reduce-scatter / all-reduce / all-gather: the plan's choice).
 
 In backward, a hook on the parameter copies each arriving gradient into its
 bucket (buckets of ``bucket_bytes``, DDP's 25 MiB by default, filled in the
-order gradients become ready, one per kind of sum and dtype). A full bucket
-starts its first collective at once, asynchronously; a sum of several steps
-moves to its next step as soon as the last one is done (checked whenever
-another gradient arrives). A callback queued on autograd's engine waits for
-every bucket when the backward pass ends and gives each parameter its summed
+order gradients become ready, one per kind of sum, dtype and device, formed
+at the first backward pass and again whenever a parameter's dtype or device
+changed). A full bucket starts its first collective at once,
+asynchronously. A callback queued on autograd's engine waits for every
+bucket when the backward pass ends and gives each parameter its summed
 gradient: ``param.grad`` becomes a view of the bucket (as DDP's
-``gradient_as_bucket_view``) when the parameter had none, and the sum is added
-to it when it had one (the hook then hands autograd zeros, so that only the
-sum is added). The optimizer sees the same ``.grad`` as without buckets, and
-gradients accumulate over several backward passes as they do on one device.
+``gradient_as_bucket_view``) when the parameter had none, and the sum is
+added to it when it had one. So the optimizer sees the same ``.grad`` as
+without buckets, gradients accumulate over several backward passes as on one
+device, and a parameter's partial gradient is freed as soon as it is copied.
+
+Every rank must issue the same collectives on a group in the same order.
+Hooks fire in the same order on every rank (the program is the same), so
+collectives are only ever started at those points: a bucket's first step
+when it fills, and the next step of a sum of several steps (a hierarchical
+one) when a later bucket fills, after waiting for the step before; the rest
+at the end of the backward pass, bucket by bucket.
+
+Gradients reach ``.grad`` when ``backward()`` returns: use ``.backward()``.
+``torch.autograd.grad`` on the parameters of a rank module would see the
+partial gradients (as with DDP, which does not support it either).
 
 A sum is elementwise, so a bucket is one flat buffer whatever the layouts of
 its members: a reduce-scatter cuts it in equal pieces (padded to a multiple of
@@ -47,7 +58,6 @@ _ASYNC = {
 @dataclass
 class _Entry:
     param: torch.nn.Parameter
-    name: str
     unit: tuple  # ((kind, AxisComm), ...) in the order they run
     position: int  # program position of the parameter's use: its gradient is ready after that op's backward
 
@@ -79,6 +89,10 @@ class _Bucket:
     def full(self) -> bool:
         return len(self.arrived) == len(self.entries)
 
+    @property
+    def started(self) -> bool:
+        return self.step >= 0
+
     def add(self, index: int, grad: torch.Tensor) -> bool:
         """Copy a member's arriving gradient in; True when its parameter already holds a ``.grad``."""
         if self.data is None:
@@ -90,18 +104,16 @@ class _Bucket:
             return True
         return False
 
-    def advance(self, block: bool) -> None:
-        """Start the next step once the running one is done; with ``block``, run every step to the end."""
-        while self.step < len(self.unit):
-            if self.work is not None:
-                if not block and not self.work.is_completed():
-                    return
-                self.work.wait()
-                self.work = None
-                self.data = self.out if self.out is not None else self.data
+    def next_step(self) -> None:
+        """Wait for the running step (if any) and start the next one; nothing once summed."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.data = self.out if self.out is not None else self.data
+        if self.step < len(self.unit):
             self.step += 1
-            if self.step < len(self.unit):
-                self._start(*self.unit[self.step])
+        if self.step < len(self.unit):
+            self._start(*self.unit[self.step])
 
     def _start(self, kind: str, comm) -> None:
         x = self.data
@@ -112,19 +124,18 @@ class _Bucket:
         self.work = _ASYNC[kind](self.out, x, comm.group)
 
     def finish(self) -> None:
-        """Wait for the sum and add each member's piece into its ``.grad``; ready for the next backward."""
-        if self.step < 0:
-            if not self.arrived:
-                return
-            self.advance(block=True)  # some members got no gradient this pass: sum the zeros too, as every rank does
-        self.advance(block=True)
+        """Run the sum to its end and give each member its piece; ready for the next backward."""
+        if not self.arrived:
+            return  # no member had a gradient this pass, on any rank (the program is the same)
+        while self.step < len(self.unit):  # some members got no gradient: their zeros are summed too
+            self.next_step()
         for i, e in enumerate(self.entries):
             if i not in self.arrived:
                 continue
             piece = self.data[self.offsets[i]:self.offsets[i + 1]].view_as(e.param)
             if i in self.accumulate:
                 e.param.grad.add_(piece)
-            else:  # autograd stored the partial gradient: the sum replaces it
+            else:  # the partial gradient was dropped when copied: the sum takes its place
                 e.param.grad = piece
         self.arrived, self.accumulate, self.data, self.step, self.work, self.out = set(), set(), None, -1, None, None
 
@@ -137,59 +148,76 @@ class GradientReducer:
     entries: list[_Entry] = field(default_factory=list)
     buckets: list[_Bucket] = field(default_factory=list)
     _place: dict = field(default_factory=dict)  # entry index -> (bucket, index in bucket)
-    _queued: bool = False
+    _layout: tuple = ()  # the members' dtypes and devices the buckets were formed for
+    _task: int | None = None  # the backward pass whose end is queued
+    _started: list = field(default_factory=list)  # buckets started in this pass, in order
 
-    def add(self, param: torch.nn.Parameter, name: str, unit: tuple, position: int) -> None:
-        self.entries.append(_Entry(param, name, tuple(unit), position))
+    def add(self, param: torch.nn.Parameter, unit: tuple, position: int) -> None:
+        self.entries.append(_Entry(param, tuple(unit), position))
 
-    def build(self) -> None:
-        """Fill buckets in the order gradients become ready and hook every parameter."""
-        open_buckets: dict[tuple, list[_Entry]] = {}
-        order = sorted(range(len(self.entries)), key=lambda i: -self.entries[i].position)
-        filled: list[tuple[tuple, list[int]]] = []
-        for i in order:
-            e = self.entries[i]
-            key = (tuple((kind, comm.name) for kind, comm in e.unit), e.param.dtype, e.param.device)
-            members = open_buckets.get(key)
-            nbytes = sum(self.entries[j].param.numel() * self.entries[j].param.element_size() for j in members or [])
-            if members is None or nbytes + e.param.numel() * e.param.element_size() > self.bucket_bytes:
-                members = open_buckets[key] = []
-                filled.append((key, members))
-            members.append(i)
-        for key, members in filled:
-            first = self.entries[members[0]]
-            bucket = _Bucket([self.entries[j] for j in members], first.unit, first.param.dtype, first.param.device)
-            for k, j in enumerate(members):
-                self._place[j] = (bucket, k)
-            self.buckets.append(bucket)
+    def hook(self) -> None:
+        """Hook every registered parameter: its gradient goes to a bucket as it arrives."""
         for i, e in enumerate(self.entries):
-            e.param.register_hook(self._hook(i))
+            e.param.register_hook(self._arrive(i))
+            e.param.register_post_accumulate_grad_hook(self._drop(i))
 
-    def _hook(self, i: int):
+    def _form_buckets(self) -> None:
+        """Fill buckets in the order gradients become ready: one sum kind, dtype and device each, up to the cap."""
+        self.buckets, self._place = [], {}
+        filling: dict[tuple, list[int]] = {}
+        sizes: dict[tuple, int] = {}
+        for i in sorted(range(len(self.entries)), key=lambda i: -self.entries[i].position):
+            p = self.entries[i].param
+            key = (tuple((kind, comm.name) for kind, comm in self.entries[i].unit), p.dtype, p.device)
+            nbytes = p.numel() * p.element_size()
+            if key not in filling or sizes[key] + nbytes > self.bucket_bytes:
+                filling[key], sizes[key] = [], 0
+                self.buckets.append(filling[key])
+            filling[key].append(i)
+            sizes[key] += nbytes
+        self.buckets = [self._bucket(members) for members in self.buckets]
+        self._layout = tuple((e.param.dtype, e.param.device) for e in self.entries)
+
+    def _bucket(self, members: list[int]) -> _Bucket:
+        first = self.entries[members[0]]
+        bucket = _Bucket([self.entries[j] for j in members], first.unit, first.param.dtype, first.param.device)
+        for k, j in enumerate(members):
+            self._place[j] = (bucket, k)
+        return bucket
+
+    def _arrive(self, i: int):
         def hook(grad: torch.Tensor):
             if self.ready(i, grad):
                 return torch.zeros_like(grad)  # the sum is added into the existing .grad when backward ends
-            return None  # autograd keeps the partial gradient; the sum replaces it when backward ends
+            return None  # autograd stores it, `_drop` frees it, the sum takes its place when backward ends
+        return hook
+
+    def _drop(self, i: int):
+        def hook(param: torch.nn.Parameter) -> None:
+            bucket, k = self._place[i]
+            if k not in bucket.accumulate:
+                param.grad = None  # a copy is in the bucket
         return hook
 
     def ready(self, i: int, grad: torch.Tensor) -> bool:
-        if not self._queued:
+        """A gradient arrived: into its bucket; a full bucket starts, and older sums of several steps move on."""
+        task = torch._C._current_graph_task_id()
+        if task != self._task:  # the first gradient of this backward pass
+            if self._layout != tuple((e.param.dtype, e.param.device) for e in self.entries):
+                self._form_buckets()
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-            self._queued = True
+            self._task, self._started = task, []
         bucket, k = self._place[i]
         accumulating = bucket.add(k, grad.detach())
-        if bucket.full and bucket.step < 0:
-            bucket.advance(block=False)
-        for b in self.buckets:  # move multi-step sums along
-            if 0 <= b.step < len(b.unit):
-                b.advance(block=False)
+        if bucket.full and not bucket.started:
+            for older in self._started:
+                if older.step < len(older.unit) - 1:  # a step is left after the running one
+                    older.next_step()
+            bucket.next_step()
+            self._started.append(bucket)
         return accumulating
 
     def finish(self) -> None:
-        self._queued = False
+        self._task = None
         for bucket in self.buckets:
             bucket.finish()
-
-    def summary(self) -> list[tuple[int, int]]:
-        """``(members, bytes)`` per bucket, in launch order."""
-        return [(len(b.entries), b.offsets[-1] * torch.empty((), dtype=b.dtype).element_size()) for b in self.buckets]

@@ -13,8 +13,9 @@ Four edits, all visible in ``print(local.code)``:
    reducer runs in buckets behind the backward pass (`autotp.lower.reducer`);
 4. shape arguments of views and expands are rewritten to local sizes.
 
-Outputs come back as ``plan.io["outputs"]`` says: as produced (partial sums
-summed), or whole when the plan was made with ``whole_outputs``.
+Outputs come back as ``plan.io["outputs"]`` says: each rank its own rows
+where the plan splits the batch, whole otherwise (and always with
+``whole_outputs``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from autotp.lower.local_args import local_target, localize_args
 from autotp.lower.reducer import GradientReducer
 from autotp.placement import R, Shard, local_shape, parse_layout, shard_factor, shard_index
 from autotp.redistribute import SLICE, Unsupported, is_gradient_sum, replay_steps, step_units
-from autotp.solve.problem import deferred_parameters, output_layout, uses_of
+from autotp.solve.problem import OUTPUT, deferred_parameters, use_target, uses_of
 from autotp.strategies.base import Strategy
 
 
@@ -74,7 +75,7 @@ class _Lowerer:
         self.position = {name: i for i, name in enumerate(graph.order)}
         overlap = plan.training and plan.runtime["overlap_gradients"]
         self.deferred = deferred_parameters(graph, uses_of(graph)) if overlap else set()
-        self.reducer = GradientReducer(plan.runtime["bucket_bytes"]) if self.deferred else None
+        self.reducer = GradientReducer(plan.runtime["bucket_bytes"]) if overlap else None
         self.entries: dict[str, tuple[fx.Node, tuple]] = {}  # placeholder -> (its entry node, the layout after it)
         self.forms: dict[tuple, set] = {}  # (consumer, input, producer) -> multi-axis forms the plan chose
         for c in plan.collectives:
@@ -120,28 +121,31 @@ class _Lowerer:
             self.modules[key] = name
         return self.modules[key]
 
-    def redistribute(self, node: fx.Node, src, dst, grad: bool, grad_axes=(), consumer=("output", 0)) -> fx.Node:
+    def redistribute(self, node: fx.Node, src, dst, grad: bool, grad_axes=(), consumer=("output", 0),
+                     producer: str | None = None) -> fx.Node:
         """Insert the steps from ``src`` to ``dst`` (and the gradient all-reduces) before the current point.
 
         Uses that need the same tensor in the same layout (a gradient flowing
-        back or not, summed over the same axes) share one copy: one all-gather
-        forward, and one reduction of their summed partial gradients, as the
-        cost model counts them (`autotp.solve.problem`). A sum over several
-        axes takes the form the plan recorded for this edge (``consumer`` is
-        the consuming node and input index). A deferred parameter's gradient
-        sum goes to the gradient reducer instead of the graph.
+        back or not, summed over the same axes: `autotp.solve.problem.use_target`)
+        share one copy: one all-gather forward, and one reduction of their
+        summed partial gradients, as the cost model counts them. A sum over
+        several axes takes the form the plan recorded for this edge
+        (``consumer`` is the consuming node and input index; ``producer`` the
+        plan's producer, when ``node`` stands for it: an input's entry cut).
+        A deferred parameter's gradient sum goes to the gradient reducer
+        instead of the graph.
         """
+        producer = producer or node.name
         meta = meta_of(node.meta["val"])
-        grad_axes = tuple(a for a in grad_axes if self.mesh.shape[a] > 1) if grad else ()
-        key = (node.name, tuple(src), tuple(dst), grad, grad_axes)
+        key = (producer, tuple(src), tuple(dst), grad, tuple(grad_axes))
         if key not in self.shared:
-            forms = self.forms.get((*consumer, node.name), set())
+            forms = self.forms.get((*consumer, producer), set())
             try:
                 steps = replay_steps(src, dst, meta, self.mesh.shape, grad_axes, forms)
             except Unsupported as exc:
-                raise PlanError(f"the plan's collectives for {node.name!r} -> {consumer[0]!r} do not fit this "
+                raise PlanError(f"the plan's collectives for {producer!r} -> {consumer[0]!r} do not fit this "
                                 f"model ({exc}): the plan was edited or made for another model; re-plan") from None
-            if node.name in self.deferred and is_gradient_sum(steps, self.mesh.shape):
+            if producer in self.deferred and is_gradient_sum(steps, self.mesh.shape):
                 self.defer(node, steps, consumer[0])
                 self.shared[key] = node
                 return node
@@ -153,11 +157,21 @@ class _Lowerer:
             self.shared[key] = out
         return self.shared[key]
 
+    def use(self, node: fx.Node, consumer: str, i: int, strategy=None) -> fx.Node:
+        """``node`` redistributed for input ``i`` of ``consumer`` (or for the program's output)."""
+        src, fed = self.plan.nodes[node.name].out_layout(), node
+        if node.op == "placeholder":
+            fed, src = self.entry(node)
+        _, dst, grad, axes = use_target(self.graph, self.mesh, self.plan.training, self.plan.runtime["whole_outputs"],
+                                        node.name, consumer, i, src, strategy)
+        return self.redistribute(fed, src, dst, grad, axes, ("output", 0) if consumer == OUTPUT else (consumer, i),
+                                 producer=node.name)
+
     def defer(self, node: fx.Node, steps, consumer: str) -> None:
         """Hand a parameter's gradient sum to the reducer: its steps' backward collectives, in the order they run."""
         unit = tuple((s.backward_kind, self.span_comm(s.span) if len(s.span) > 1 else self.comms[s.axis])
                      for s in reversed(steps) if s.backward_kind and math.prod(self.mesh.shape[a] for a in s.span) > 1)
-        self.reducer.add(self.gm.get_parameter(node.target), node.target, unit, self.position[consumer])
+        self.reducer.add(self.gm.get_parameter(node.target), unit, self.position[consumer])
 
     def entry(self, node: fx.Node) -> tuple[fx.Node, tuple]:
         """A program input as its uses see it: the node after the input's entry cut, and its layout."""
@@ -200,14 +214,10 @@ def _rewrite_inputs(low: _Lowerer, node: fx.Node, entry) -> None:
     if node.target is operator.getitem:
         return  # pieces of a split keep the split's layout
     strategy = Strategy(out=entry.out_layout(), ins=layouts)
-    op, replaced = low.graph.node(node.name), {}
-    for i, inp in enumerate(inputs):
-        src, fed = low.plan.nodes[inp.name].out_layout(), inp
-        if inp.op == "placeholder":
-            fed, src = low.entry(inp)
-        grad = op.requires_grad and low.graph.node(inp.name).requires_grad and op.in_metas[i].is_float
-        with low.gm.graph.inserting_before(node):
-            replaced[i] = low.redistribute(fed, src, layouts[i], grad, strategy.grad_allreduce_axes(i), (node.name, i))
+    replaced = {}
+    with low.gm.graph.inserting_before(node):
+        for i, inp in enumerate(inputs):
+            replaced[i] = low.use(inp, node.name, i, strategy)
     counter = iter(range(len(inputs)))
 
     def swap(a):
@@ -281,26 +291,18 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, graph=None, batch
         local = torch.nn.Parameter(shard, requires_grad=param.requires_grad)
         for name in names:  # tied weights stay one parameter
             _set_param(gm, name, local)
-    whole = plan.runtime["whole_outputs"]
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.name in plan.nodes:
             _rewrite_inputs(low, node, _node_plan(plan, node))
         elif node.op == "output":
             with gm.graph.inserting_before(node):
-                node.args = pytree.tree_map(lambda a: _output(low, a, whole), node.args)
+                node.args = pytree.tree_map(
+                    lambda a: low.use(a, OUTPUT, 0) if isinstance(a, fx.Node) and a.name in plan.nodes else a,
+                    node.args)
     gm.graph.lint()
     gm.recompile()
     batch_collectives(gm, batch, overlap)
     if low.reducer is not None:
-        low.reducer.build()
-    gm.autotp_reducer = low.reducer  # None when no gradient sum is deferred
+        low.reducer.hook()
+    gm.autotp_reducer = low.reducer  # None when the plan runs its gradient sums in the graph
     return gm
-
-
-def _output(low: _Lowerer, a, whole: bool):
-    """An output as the plan returns it: as produced, partial sums summed (or whole, for ``whole_outputs``)."""
-    if not (isinstance(a, fx.Node) and a.name in low.plan.nodes):
-        return a
-    op, src = low.graph.node(a.name), low.plan.nodes[a.name].out_layout()
-    meta = op.out[0]
-    return low.redistribute(a, src, output_layout(src, meta, whole), op.requires_grad and meta.is_float)

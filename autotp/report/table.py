@@ -128,9 +128,15 @@ def verdict_lines(plan, baselines) -> list[str]:
             + (f": {why}" if why else ": the same plan's cost"))
     lines = [head]
     if ratio > 1 + 1e-9:
-        gap = plan.stats.get("gap", 0.0) if plan.stats else 0.0
-        lines.append(f"  slower than a plan of its own search space: {'the solver stopped at its time limit' if gap else 'a bug'} "
-                     f"(gap {gap:.1%}); raise time_limit_s, or report it")
+        stats = plan.stats or {}
+        if stats.get("constrained"):
+            lines.append("  this plan was made under pins or a filter, which the baseline is not: it is outside "
+                         "this plan's search space")
+        elif stats.get("gap"):
+            lines.append(f"  the solver stopped at its time limit {stats['gap']:.1%} from the optimum: raise "
+                         "time_limit_s for a plan at least as fast as every baseline")
+        else:
+            lines.append("  slower than a plan of its own search space: this is a bug, please report it")
     return lines
 
 

@@ -17,10 +17,24 @@ from autotp.placement import parse_layout
 
 
 def local_inputs(plan, rank: int, args: tuple, kwargs: dict | None = None) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` with each tensor cut to ``rank``'s piece of its ``plan.io`` layout (whole where R)."""
-    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
-    layouts = iter(layout for _, layout in plan.io.get("inputs", []))
+    """``(args, kwargs)`` with each tensor cut to ``rank``'s piece of its ``plan.io`` layout (whole where R).
+
+    Positional tensors are matched to the plan's inputs in order, keyword
+    tensors by name, so keywords may come in any order. A plan without
+    ``io`` (saved before version 4) takes every input whole: they are
+    returned as given.
+    """
+    entries = plan.io.get("inputs", [])
+    by_name = {name: layout for name, layout in entries}
+    in_order = iter(layout for _, layout in entries)
     coords = plan.mesh.coords(rank)
-    cut = [shard_tensor(leaf, parse_layout(next(layouts)), plan.mesh.shape, coords)
-           if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    return pytree.tree_unflatten(cut, spec)
+
+    def cut(value, layout):
+        if not isinstance(value, torch.Tensor) or layout is None:
+            return value
+        return shard_tensor(value, parse_layout(layout), plan.mesh.shape, coords)
+
+    leaves, spec = pytree.tree_flatten(tuple(args))
+    args = pytree.tree_unflatten([cut(v, next(in_order, None)) if isinstance(v, torch.Tensor) else v
+                                  for v in leaves], spec)
+    return args, {k: cut(v, by_name.get(k)) for k, v in (kwargs or {}).items()}

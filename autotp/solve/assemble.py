@@ -9,15 +9,15 @@ time the backward pass hides, is that step time again.
 
 from __future__ import annotations
 
-from autotp.cost.comm import bucketed_step_time_s, collective_time_s, inner_all_reduces, step_time_s
+from autotp.cost.comm import collective_time_s, inner_all_reduces
 from autotp.cost.compute import compute_time_s
 from autotp.cost.memory import memory_by_term
-from autotp.cost.reshard import cheapest_steps
+from autotp.cost.reshard import cheapest_steps, step_seconds
 from autotp.graph.opgraph import KIND_INPUT, KIND_PARAM
 from autotp.placement import layout_str
-from autotp.redistribute import entry_layout, is_gradient_sum
+from autotp.redistribute import entry_layout
 from autotp.solve.plan import NodePlan, Plan
-from autotp.solve.problem import OUTPUT, deferred_parameters, output_layout, uses_of
+from autotp.solve.problem import OUTPUT, deferred_parameters, output_layout, use_target, uses_of
 from autotp.solve.step import step_time
 
 
@@ -46,21 +46,12 @@ def edge_collectives(mesh, profile, training, node, producer, index, src, dst, m
     grad = training and grad
     options = dict(deferred=deferred, bucket_bytes=bucket_bytes) if deferred else {}
     every = cheapest_steps(src, dst, meta, mesh, profile, grad, grad_axes, **options)
-    steps = [s for s in every if mesh.shape[s.axis] > 1]
-    out = [_record(mesh, node, producer, index, "forward", s.forward_kind, s, step_time_s(s.forward_kind, s, mesh,
-                                                                                            profile))
-           for s in steps if s.forward_kind]
-    if not grad:
-        return out
-    bucketed = deferred and is_gradient_sum(every, mesh.shape)
-    size = max((s.message_bytes for s in every if s.backward_kind), default=0)
-    for s in reversed(steps):
-        if not s.backward_kind:
-            continue
-        seconds = (bucketed_step_time_s(s.backward_kind, s, size, mesh, profile, bucket_bytes) if bucketed
-                   else step_time_s(s.backward_kind, s, mesh, profile))
-        out.append(_record(mesh, node, producer, index, "backward", s.backward_kind, s, seconds)
-                   | ({"bucketed": True} if bucketed else {}))
+    forward, backward, bucketed = step_seconds(every, mesh, profile, grad, **options)
+    real = [i for i, s in enumerate(every) if mesh.shape[s.axis] > 1]
+    out = [_record(mesh, node, producer, index, "forward", every[i].forward_kind, every[i], forward[i])
+           for i in real if every[i].forward_kind]
+    out += [_record(mesh, node, producer, index, "backward", every[i].backward_kind, every[i], backward[i])
+            | ({"bucketed": True} if bucketed else {}) for i in reversed(real) if grad and every[i].backward_kind]
     return out
 
 
@@ -75,19 +66,6 @@ def inner_collectives(op, strategy, mesh, profile) -> list[dict]:
     return out
 
 
-def use_target(graph, chosen, mesh, producer: str, consumer: str, i: int, whole_outputs: bool):
-    """``(meta, target layout, gradient flows back, gradient axes)`` of one use: what its redistribution is keyed by."""
-    made_by, src = graph.node(producer), chosen[producer].out
-    if consumer == OUTPUT:
-        meta = made_by.out[0]
-        return meta, output_layout(src, meta, whole_outputs), made_by.requires_grad and meta.is_float, ()
-    op, s = graph.node(consumer), chosen[consumer]
-    meta = op.in_metas[i]
-    grad = op.requires_grad and made_by.requires_grad and meta.is_float
-    axes = tuple(a for a in s.grad_allreduce_axes(i) if mesh.shape[a] > 1) if grad else ()
-    return meta, s.ins[i], grad, axes
-
-
 def all_collectives(graph, chosen, mesh, profile, training, whole_outputs=False, deferred=frozenset(),
                     bucket_bytes: int = 0) -> list[dict]:
     """The collectives of the lowered program; uses of one tensor in one layout share them."""
@@ -97,7 +75,9 @@ def all_collectives(graph, chosen, mesh, profile, training, whole_outputs=False,
     for producer, uses in uses_of(graph).items():
         seen = set()
         for consumer, i in uses:
-            meta, dst, grad, axes = use_target(graph, chosen, mesh, producer, consumer, i, whole_outputs)
+            strategy = None if consumer == OUTPUT else chosen[consumer]
+            meta, dst, grad, axes = use_target(graph, mesh, training, whole_outputs, producer, consumer, i,
+                                               chosen[producer].out, strategy)
             if (dst, grad, axes) in seen:
                 continue
             seen.add((dst, grad, axes))
@@ -119,7 +99,8 @@ def io_layouts(graph, chosen, mesh, whole_outputs: bool) -> dict:
     inputs = []  # [placeholder, layout] in the order of the tensors among the inputs' pytree leaves
     for op in graph.nodes():
         if op.kind == KIND_INPUT:
-            targets = [use_target(graph, chosen, mesh, op.name, c, i, whole_outputs)[1] for c, i in uses[op.name]]
+            targets = [use_target(graph, mesh, True, whole_outputs, op.name, c, i, chosen[op.name].out,
+                                  None if c == OUTPUT else chosen[c])[1] for c, i in uses[op.name]]
             inputs.append([op.name, layout_str(entry_layout(chosen[op.name].out, targets, op.out[0], mesh.shape))])
     outputs = [layout_str(output_layout(chosen[name].out, graph.node(name).out[0], whole_outputs))
                for name in graph.outputs]

@@ -1,19 +1,14 @@
-"""Which MILP solver runs the ILP: CBC (bundled with pulp) or HiGHS (``pip install autotp[highs]``).
+"""Which MILP solver runs the ILP: HiGHS (``highspy``, a dependency) or CBC (bundled with pulp).
 
 Both are exact branch-and-bound solvers run single-threaded, so a plan is
-deterministic. "auto" picks by what we measured (benchmarks/plan_time.py,
-benchmarks/big_plans.py, docs/planning.md): on the plain assignment ILP (the
-GPT test model on 4 and 2x2, Llama-3-8B and Llama-2-70B on 8 and 4x8) CBC is
-as fast or faster; with a memory limit, which adds a knapsack row, HiGHS was
-twice as fast before `autotp.solve.reduce` and the options below (GPT-3-175B
-on 8x8 under 80 GB: 5.7 s against 11.1 s; now 1.4 s and 1.5 s). So "auto" is
-HiGHS under a memory limit when highspy is installed, and CBC otherwise.
-
-Two options, neither of which loosens optimality (the gap stays 0), halve
-the solve under a memory limit: HiGHS without presolve (on these ILPs it
-removes little, costs a second, and restarts the search once reduced-cost
-fixing bites) and CBC without its feasibility pump (seconds spent before the
-branching that proves the optimum; its other heuristics still run).
+deterministic. "auto" is HiGHS when highspy is installed, CBC otherwise: on
+the ILPs of docs/planning.md HiGHS is as fast or up to ten times faster (the
+2-D meshes, where the gradient chain's LP relaxation needs cuts and
+branching). Two options, neither of which loosens optimality (the gap stays
+0), speed both up: HiGHS without presolve (on these ILPs it removes little,
+costs a second, and restarts the search once reduced-cost fixing bites) and
+CBC without its feasibility pump (seconds spent before the branching that
+proves the optimum; its other heuristics still run).
 """
 
 from __future__ import annotations
@@ -34,14 +29,14 @@ def highs_available() -> bool:
     return importlib.util.find_spec("highspy") is not None
 
 
-def resolve(name: str, memory_limit: bool = False) -> str:
-    """``"auto"``: HiGHS under a memory limit if installed, else CBC; ``"highs"`` needs highspy."""
+def resolve(name: str) -> str:
+    """``"auto"``: HiGHS if installed, else CBC; ``"highs"`` needs highspy."""
     if name not in SOLVERS:
         raise SolverError(f"unknown solver {name!r}: use one of {', '.join(SOLVERS)}")
     if name == "auto":
         return "highs" if highs_available() else "cbc"
     if name == "highs" and not highs_available():
-        raise SolverError("solver 'highs' needs highspy: pip install 'autotp[highs]' (or use solver='cbc')")
+        raise SolverError("solver 'highs' needs highspy: pip install highspy (or use solver='cbc')")
     return name
 
 

@@ -64,11 +64,6 @@ class Chain:
     blocks: list[Block]
     after: dict[str, list[float]] = field(default_factory=dict)
 
-    @property
-    def stages(self) -> list[Stage]:
-        """Every distinct stage once (a repeated block's stages stand for all its repeats)."""
-        return [s for b in self.blocks for s in b.stages]
-
 
 def _add(terms: dict, key, values) -> None:
     if key in terms:

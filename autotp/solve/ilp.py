@@ -203,11 +203,11 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     only when that plan does not fit (then a second solve, under the limit).
     Raises `MemoryInfeasible` carrying the least-memory plan when nothing fits.
     """
-    free = _run(*_model(problem, "time", None, reduce), time_limit_s, backends.resolve(solver, False))
+    solver = backends.resolve(solver)
+    free = _run(*_model(problem, "time", None, reduce), time_limit_s, solver)
     if memory_limit_bytes is None or (free.status == "Optimal"
                                       and memory_bytes(problem, free.choice) <= memory_limit_bytes):
         return _finish(free, time_limit_s)
-    solver = backends.resolve(solver, True)
     solution = _run(*_model(problem, "time", memory_limit_bytes, reduce), time_limit_s, solver)
     if solution.status == "Infeasible":
         # no limit: the error quotes this exact minimum

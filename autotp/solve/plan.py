@@ -92,7 +92,7 @@ class Plan:
             fallback_ops=dict(d["fallback_ops"]), collectives=list(d["collectives"]),
             predicted=dict(d["predicted"]), memory=dict(d["memory"]), inputs=dict(d["inputs"]), ilp=dict(d["ilp"]),
             source=d.get("source"), scopes=dict(d.get("scopes") or {}),
-            runtime=dict(d.get("runtime") or LEGACY_RUNTIME), io=dict(d.get("io") or {}),
+            runtime={**LEGACY_RUNTIME, **(d.get("runtime") or {})}, io=dict(d.get("io") or {}),
         )
 
     @classmethod

@@ -32,7 +32,7 @@ from autotp.cost.compute import compute_time_s
 from autotp.cost.memory import node_memory_bytes
 from autotp.cost.reshard import edge_times_s
 from autotp.graph.opgraph import KIND_PARAM, OpGraph
-from autotp.placement import Partial, R
+from autotp.placement import R, Shard
 from autotp.solve.chain import Chain, build_chain
 from autotp.solve.layers import Sharing, share_identical_layers
 from autotp.strategies.enumerate import OpStrategies
@@ -81,7 +81,6 @@ class FanOut:
     arms: list[Arm]
     cost_s: list[float]  # per item, already times the number of identical fan-outs
     ident: list[tuple]
-    choice: list[int]  # per item: the producer choice it belongs to
 
 
 @dataclass
@@ -107,10 +106,35 @@ class Problem:
 
 
 def output_layout(src, meta, whole: bool):
-    """The layout an output is returned in: as produced, partial sums summed; whole (R) when asked or 0-d."""
+    """The layout an output is returned in: split by rows where produced so, else whole; all whole when asked.
+
+    As with DDP, each rank may return its own rows of a batch (dim 0 split
+    over an axis stays split); anything else a caller could not read on its
+    own (a split of another dim, a partial sum) is made whole on that axis.
+    A 0-d output (a loss) is one number on every rank.
+    """
     if whole or not meta.shape:
         return (R,) * len(src)
-    return tuple(R if isinstance(p, Partial) else p for p in src)
+    return tuple(p if isinstance(p, Shard) and p.dim == 0 else R for p in src)
+
+
+def use_target(graph: OpGraph, mesh, training: bool, whole_outputs: bool, producer: str, consumer: str, i: int,
+               src, strategy=None) -> tuple:
+    """``(meta, target layout, a gradient flows back, the axes it is summed over)`` of one use.
+
+    The last three are what a redistribution is shared by, in the cost model
+    and in the lowering alike: ``src`` is the producer's layout, ``strategy``
+    the consumer's (none for an output).
+    """
+    made_by = graph.node(producer)
+    if consumer == OUTPUT:
+        meta = made_by.out[0]
+        return meta, output_layout(src, meta, whole_outputs), training and made_by.requires_grad and meta.is_float, ()
+    op = graph.node(consumer)
+    meta = op.in_metas[i]
+    grad = training and op.requires_grad and made_by.requires_grad and meta.is_float
+    axes = tuple(a for a in strategy.grad_allreduce_axes(i) if mesh.shape[a] > 1) if grad else ()
+    return meta, strategy.ins[i], grad, axes
 
 
 def uses_of(graph: OpGraph) -> dict[str, list[tuple[str, int]]]:
@@ -142,8 +166,9 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
     With ``overlap_gradients`` (and ``training``) the gradient sums of
     parameters with one use go to the chain, at the bucket's rates; otherwise
     they are exposed like every other collective. ``whole_outputs`` returns
-    every output replicated (R); by default an output stays as produced,
-    partial sums summed. With ``share_layers`` identical layers share their
+    every output replicated (R); by default an output split by rows stays so
+    and anything else is made whole (`output_layout`). With ``share_layers``
+    identical layers share their
     choices (`autotp.solve.layers`).
     """
     groups = {op.name: Group(op.name, {op.name: list(range(len(strategies.by_node[op.name])))})
@@ -191,23 +216,16 @@ class _Coster:
     def use(self, producer: str, consumer: str, i: int, cu: int, cv: int) -> tuple[tuple | None, float, float]:
         """``(target key, exposed, gradient)`` seconds of one use for one pair of choices.
 
-        The key is what the lowering shares a redistribution by: the target
-        layout, whether a gradient flows back, and the axes it is summed over. ``None`` with
-        infinite time: the pair cannot be (the pieces of a split are taken as
-        produced).
+        The key is what the lowering shares a redistribution by (`use_target`).
+        ``None`` with infinite time: the pair cannot be (the pieces of a split
+        are taken as produced).
         """
-        made_by = self.graph.node(producer)
         src = self.problem.strategy(producer, cu).out
-        if consumer == OUTPUT:
-            meta = made_by.out[0]
-            dst, grad, axes = output_layout(src, meta, self.whole_outputs), made_by.requires_grad and meta.is_float, ()
-        else:
-            op, s = self.graph.node(consumer), self.problem.strategy(consumer, cv)
-            meta, dst = op.in_metas[i], s.ins[i]
-            if made_by.multi_output and src != dst:
-                return None, math.inf, 0.0
-            grad = op.requires_grad and made_by.requires_grad and meta.is_float
-            axes = tuple(a for a in s.grad_allreduce_axes(i) if self.mesh.shape[a] > 1) if grad else ()
+        strategy = None if consumer == OUTPUT else self.problem.strategy(consumer, cv)
+        meta, dst, grad, axes = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer,
+                                           consumer, i, src, strategy)
+        if consumer != OUTPUT and self.graph.node(producer).multi_output and src != dst:
+            return None, math.inf, 0.0
         deferred = producer in self.deferred
         memo = (src, dst, meta, grad, axes, deferred)
         if memo not in self.memo:
@@ -227,7 +245,7 @@ class _Coster:
             self.add_edge(producer, *arms[0], count)
             return
         gu = self.problem.group_of[producer]
-        fanout = FanOut(gu, [], [], [], [])
+        fanout = FanOut(gu, [], [], [])
         index: dict[tuple, int] = {}
         for consumer, i in arms:
             gv = None if consumer == OUTPUT else self.problem.group_of[consumer]
@@ -246,7 +264,6 @@ class _Coster:
                         index[cu, key] = len(fanout.cost_s)
                         fanout.cost_s.append(count * exposed)
                         fanout.ident.append((self.problem.strategy(producer, cu).out, key))
-                        fanout.choice.append(cu)
                     row.append(index[cu, key])
                 items.append(row)
             fanout.arms.append(Arm(gv, items))

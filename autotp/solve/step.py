@@ -3,7 +3,7 @@
 The ILP (`autotp.solve.ilp`) and the plan's report (`autotp.solve.assemble`)
 read the same `Problem`; this is the report's side, so a plan's
 ``predicted["total_s"]`` is its ILP objective by construction, and the suite
-checks the two agree on every plan it makes (tests/test_step_model.py).
+checks the two agree on every plan it makes (tests/test_optimal.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class StepTime:
         return self.gradient_s - self.gradient_exposed_s
 
 
-def arm_item(problem: Problem, fanout, arm, choice: dict[str, int]) -> int:
+def arm_item(fanout, arm, choice: dict[str, int]) -> int:
     """The item (or -1) one use of a fan-out needs under ``choice``."""
     row = arm.items[choice[fanout.producer]]
     return row[0] if arm.consumer is None or arm.consumer == fanout.producer else row[choice[arm.consumer]]
@@ -42,7 +42,7 @@ def step_time(problem: Problem, choice: dict[str, int]) -> StepTime:
     exposed = sum(group.cost_s[choice[name]] for name, group in problem.groups.items())
     exposed += sum(table[choice[u]][choice[v]] for (u, v), table in problem.edges.items())
     for fanout in problem.fanouts:
-        used = {arm_item(problem, fanout, arm, choice) for arm in fanout.arms} - {-1}
+        used = {arm_item(fanout, arm, choice) for arm in fanout.arms} - {-1}
         exposed += sum(fanout.cost_s[k] for k in used)
     gradient, waited = chain_times_s(problem.chain, choice) if problem.chain else (0.0, 0.0)
     return StepTime(exposed, gradient, waited)

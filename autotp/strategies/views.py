@@ -109,10 +109,14 @@ def slice_rule(op):
 
 
 def pad_rule(op):
-    """Constant pad: any dim it does not pad may be split (``pad`` lists (before, after) from the last dim)."""
+    """Constant pad: any dim it does not pad may be split (``pad`` lists (before, after) from the last dim).
+
+    ``aten.pad(x, pad, mode, value)`` names its mode; ``constant_pad_nd(x, pad, value)`` is always constant.
+    """
     nd = len(op.in_metas[0].shape)
     pads = list(op.args[1]) if len(op.args) > 1 else list(op.kwargs.get("pad", []))
-    mode = op.args[2] if len(op.args) > 2 else op.kwargs.get("mode", "constant")
+    named_mode = "constant_pad_nd" not in str(op.target)
+    mode = (op.args[2] if len(op.args) > 2 else op.kwargs.get("mode", "constant")) if named_mode else "constant"
     if mode != "constant":
         return []
     padded = {nd - 1 - k // 2 for k, amount in enumerate(pads) if amount}
