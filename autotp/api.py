@@ -9,7 +9,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autotp.capture import capture, example_specs, inputs_from_specs
-from autotp.cost.memory import TERMS, memory_by_term
+from autotp.cost.memory import TERMS, check_precision, memory_by_term
 from autotp.cost.profile import load_profile
 from autotp.errors import MemoryLimitError
 from autotp.graph import build_opgraph
@@ -54,7 +54,8 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
          profile=DEFAULT_PROFILE, pin: dict | None = None, allow=None, registry=None,
          time_limit_s: float | None = None, memory_limit=AUTO, overlap_gradients: bool = True,
          bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True, solver: str = "auto",
-         replay_layers: bool = True, progress: Stages | None = None) -> Plan:
+         replay_layers: bool = True, precision: str = AUTO, optimizer_sharding: bool = True,
+         progress: Stages | None = None) -> Plan:
     """Choose a placement for every parameter and op of ``model`` on ``mesh``: the fastest step that fits.
 
     ``pin`` fixes parameter placements (``{"fc1.weight": ("S(0)",)}``) and lets
@@ -75,7 +76,15 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
       device (parameters, gradients, Adam state and saved activations). The
       default, ``"auto"``, is the profile's device memory less 5% for training
       plans and none for inference; ``None`` lifts it. When nothing fits,
-      `MemoryLimitError` says the least any plan needs and which term dominates it.
+      `MemoryLimitError` says the least any plan needs and which term dominates it;
+    * ``precision`` is how the parameters are trained, for their memory:
+      ``"fp32"``, ``"mixed"`` (bf16 weights, fp32 gradients, master weights
+      and Adam moments: 18 bytes a parameter) or ``"bf16"``; ``"auto"`` reads
+      each parameter's dtype (`autotp.cost.memory`);
+    * ``optimizer_sharding`` lets the ILP split a parameter's optimizer state
+      over the mesh axes where the parameter is whole (ZeRO-1), paying an
+      all-gather of the parameter after each step; it does so when memory
+      binds. `autotp.runtime.shard_optimizer` builds the optimizer that does it.
 
     ``progress`` (an `autotp.progress.Stages`) reports each stage and its time
     on stderr; by default nothing is printed. ``share_layers`` gives identical
@@ -91,7 +100,8 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     result = plan_captured(captured, mesh, training=training, profile=profile, pin=pin, allow=allow,
                            registry=registry, time_limit_s=time_limit_s, memory_limit=memory_limit,
                            overlap_gradients=overlap_gradients, bucket_cap_mb=bucket_cap_mb,
-                           whole_outputs=whole_outputs, share_layers=share_layers, solver=solver, progress=stages)
+                           whole_outputs=whole_outputs, share_layers=share_layers, solver=solver,
+                           precision=precision, optimizer_sharding=optimizer_sharding, progress=stages)
     result.stats["plan_s"] = time.perf_counter() - started
     return result
 
@@ -122,18 +132,21 @@ def capture_model(model, example_inputs=(), example_kwargs=None, replay_layers: 
 def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DEFAULT_PROFILE, pin=None,
                   allow=None, registry=None, time_limit_s=None, memory_limit=AUTO, overlap_gradients: bool = True,
                   bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True,
-                  solver: str = "auto", progress: Stages | None = None) -> Plan:
+                  solver: str = "auto", precision: str = AUTO, optimizer_sharding: bool = True,
+                  progress: Stages | None = None) -> Plan:
     """Stages 2 to 5 of `plan` on a captured model: strategies, costs, the ILP, the `Plan`."""
     started, stages = time.perf_counter(), stages_or_silent(progress)
     mesh, profile, graph = as_mesh(mesh), load_profile(profile), captured.graph
+    precision = check_precision(precision)
     with stages.stage("enumerating strategies") as stage:
-        strategies = enumerate_strategies(graph, mesh.shape, registry or default_registry())
+        strategies = enumerate_strategies(graph, mesh.shape, registry or default_registry(),
+                                          optimizer_sharding=training and optimizer_sharding)
         apply_constraints(graph, strategies, pin, allow)
         prune_unreachable(graph, strategies)
         stage.detail = f"{sum(len(s) for s in strategies.by_node.values()):,} strategies"
     with stages.stage("costing"):
         problem = build_problem(graph, strategies, mesh, profile, training, overlap_gradients, share_layers,
-                                whole_outputs, int(bucket_cap_mb * 2**20))
+                                whole_outputs, int(bucket_cap_mb * 2**20), precision)
     limit = (default_memory_limit(profile, training) if memory_limit == AUTO
              else parse_bytes(memory_limit) if memory_limit is not None else None)
     with stages.stage("solving ILP") as stage:
@@ -168,7 +181,7 @@ def replays_layers(plan: Plan) -> bool:
 _HINTS = {
     "parameters": "split the model over more devices (a larger tensor-parallel axis)",
     "gradients": "split the model over more devices (a larger tensor-parallel axis)",
-    "optimizer": "split the model over more devices; optimizer-state sharding is not supported yet",
+    "optimizer": "split the model over more devices, or allow optimizer_sharding (ZeRO-1) over data-parallel devices",
     "activations": "use a smaller batch or sequence per step",
     "buffers": "split the model over more devices",
 }
@@ -176,7 +189,7 @@ _HINTS = {
 
 def memory_limit_error(graph, problem, smallest, mesh, training, limit) -> MemoryLimitError:
     """The error for a limit no plan meets: the least memory any plan needs, and its largest term."""
-    terms = memory_by_term(graph, chosen_strategies(problem, smallest), mesh, training)
+    terms = memory_by_term(graph, chosen_strategies(problem, smallest), mesh, training, problem.precision)
     dominant = max(TERMS, key=lambda t: terms[t])
     return MemoryLimitError(
         f"no plan fits {format_bytes(limit)} per device on {mesh}: the smallest any plan reaches is "

@@ -62,14 +62,28 @@ def _persistent_buffers(module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in module.state_dict(keep_vars=True).items() if k not in params}
 
 
+def _owner(tensor: torch.Tensor) -> torch.Tensor:
+    """The parameter an optimizer's tensor stands for: itself, or the one a `shard_optimizer` slice is cut from.
+
+    A master copy in another dtype (``shard_optimizer(master_dtype=...)``) is
+    state of its own that these checkpoints do not hold: `CheckpointError`.
+    """
+    owner = getattr(tensor, "autotp_parameter", tensor)
+    if owner.dtype != tensor.dtype:
+        raise CheckpointError("the optimizer keeps master weights in another dtype than the parameters "
+                              "(shard_optimizer's master_dtype), which sharded checkpoints do not save yet: "
+                              "checkpoint an optimizer built without master_dtype")
+    return owner
+
+
 def _optimizer_state(optimizer, params: dict) -> dict:
     """The optimizer's state keyed by parameter name, not by position (positions depend on construction order)."""
     if optimizer is None:
         return {}
     name_of = {id(p): name for name, (_, p) in params.items()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(p)] for p in g["params"]]}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(_owner(p))] for p in g["params"]]}
               for g in optimizer.param_groups]
-    state = {name_of[id(p)]: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+    state = {name_of[id(_owner(p))]: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in s.items()}
              for p, s in optimizer.state.items()}
     return {"groups": groups, "state": state}
 
@@ -182,7 +196,7 @@ def _load_optimizer(optimizer, saved: dict, params: dict) -> None:
     current = optimizer.state_dict()
     position = {}
     for group, ids in zip(optimizer.param_groups, current["param_groups"]):
-        position.update({id(p): i for p, i in zip(group["params"], ids["params"])})
+        position.update({id(_owner(p)): i for p, i in zip(group["params"], ids["params"])})
     index_of = {name: position[id(p)] for name, (_, p) in params.items() if id(p) in position}
     groups = [{**g, "params": [index_of[n] for n in g["params"]]} for g in saved["groups"]]
     state = {index_of[name]: s for name, s in saved["state"].items()}

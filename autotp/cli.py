@@ -88,11 +88,12 @@ def cmd_plan(args) -> int:
     pins = _tp_plan_pins(args.tp_plan, model, mesh) if args.tp_plan else None
     options = dict(training=training, profile=profile, memory_limit=_memory_limit(args.memory_limit),
                    overlap_gradients=args.overlap_gradients, bucket_cap_mb=args.bucket_cap_mb,
-                   whole_outputs=args.whole_outputs)
+                   whole_outputs=args.whole_outputs, precision=args.precision,
+                   optimizer_sharding=args.optimizer_sharding)
     if saved is not None:  # a re-cost runs the program as the plan was made to run
         runtime = saved.runtime
         options.update(overlap_gradients=runtime["overlap_gradients"], whole_outputs=runtime["whole_outputs"],
-                       bucket_cap_mb=runtime["bucket_bytes"] / 2**20)
+                       bucket_cap_mb=runtime["bucket_bytes"] / 2**20, precision=runtime.get("precision", "auto"))
     started = time.perf_counter()
     captured = capture_model(model, inputs, kwargs, progress=stages)
     result = plan_captured(captured, mesh, pin=pins, allow=same_as(saved) if saved else None, progress=stages,
@@ -307,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "backward pass (as DDP does, the default)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
                    help="gradient bucket size in MiB (default 25, as DDP)")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "mixed", "bf16"],
+                   help="how the parameters are trained, for their memory: mixed is bf16 weights with fp32 "
+                        "gradients, master weights and Adam moments (18 B a parameter); auto reads each "
+                        "parameter's dtype (default)")
+    p.add_argument("--no-optimizer-sharding", dest="optimizer_sharding", action="store_false",
+                   help="keep every optimizer state whole (by default the plan may split it where a parameter is "
+                        "whole, ZeRO-1, when memory binds)")
     p.add_argument("--whole-outputs", action="store_true",
                    help="return every output replicated on every rank (default: each rank its own rows where "
                         "the plan splits the batch, as with DDP; whole otherwise)")

@@ -123,8 +123,9 @@ def test_the_set_of_flags_is_pinned():
     hf = ["--batch", "--config", "--ffn", "--heads", "--hidden", "--kv-heads", "--layers", "--seq", "--vocab"]
     assert flags == {
         "plan": sorted(["--bucket-cap-mb", "--export-dtensor", "--export-tp-plan", "--inference", "--json", "--links",
-                        "--memory-limit", "--mesh", "--no-baselines", "--no-overlap-gradients", "--png", "--profile",
-                        "--quiet", "--svg", "--tp-plan", "--whole-outputs", *hf]),
+                        "--memory-limit", "--mesh", "--no-baselines", "--no-optimizer-sharding",
+                        "--no-overlap-gradients", "--png", "--precision", "--profile", "--quiet", "--svg", "--tp-plan",
+                        "--whole-outputs", *hf]),
         "verify": sorted(["--links", "--mesh", "--plan", "--profile", "--quiet", "--tolerance", *hf]),
         "explain": ["--profile", "--quiet"],
         "calibrate": ["--backend", "--links", "--max-size", "--mesh", "--name", "--nproc", "--out", "--quiet"],

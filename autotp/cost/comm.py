@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 
-from autotp.placement import shard_factor
-from autotp.redistribute import ALL_REDUCE, SLICE
+from autotp.placement import local_bytes, shard_factor
+from autotp.redistribute import ALL_GATHER, ALL_REDUCE, SLICE
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb=25
 
@@ -92,3 +92,21 @@ def inner_time_s(op, strategy, mesh, profile) -> float:
     """Seconds of the all-reduces run inside a strategy's own implementation."""
     return sum(collective_time_s(ALL_REDUCE, axis, nbytes, mesh, profile)
                for axis, nbytes in inner_all_reduces(op, strategy, mesh))
+
+
+def optimizer_gather(op, strategy, mesh) -> tuple[tuple, int] | None:
+    """``(axes, message_bytes)`` of the all-gather that rebuilds a parameter after a ZeRO-1 step, or None.
+
+    Each device steps its slice of the parameter (`Strategy.optimizer_axes`),
+    then one all-gather over those axes gives every device the whole of it
+    again, in the parameter's dtype.
+    """
+    if not strategy.optimizer_axes:
+        return None
+    return strategy.optimizer_axes, local_bytes(op.out[0], strategy.out, mesh.shape)
+
+
+def optimizer_time_s(op, strategy, mesh, profile) -> float:
+    """Seconds of `optimizer_gather`, exposed: it runs between the optimizer step and the next forward."""
+    gather = optimizer_gather(op, strategy, mesh)
+    return span_time_s(ALL_GATHER, gather[0], gather[1], mesh, profile) if gather else 0.0

@@ -1,22 +1,57 @@
-"""Memory per device, by term: parameters, gradients, optimizer state and saved activations.
+"""Memory per device, by term: parameters, gradients, optimizer state, buffers and saved activations.
 
-Counted on local shapes in each tensor's dtype. Training adds a gradient per
-parameter and Adam's two fp32 moments; activations are the outputs of
-differentiated ops, the upper bound of what autograd saves.
+Counted on local shapes. Activations are the outputs of differentiated ops in
+the dtypes the model computes in, the upper bound of what autograd saves.
+A trained parameter's state follows the training ``precision``, in bytes per
+element of the parameter (Adam's two moments in the optimizer term):
+
+============  ========  =========  =========================================
+precision     weight    gradient   optimizer state
+============  ========  =========  =========================================
+``fp32``      4         4          8: two fp32 moments
+``mixed``     2         4          12: fp32 master weight and two moments
+``bf16``      2         2          4: two bf16 moments
+============  ========  =========  =========================================
+
+``mixed`` is Megatron-LM's 18 bytes per parameter (bf16 weights, fp32 main
+gradients, fp32 master weights and moments). ``auto`` reads each
+parameter's dtype: ``mixed`` for a 16-bit one, which is how such models are
+trained, and for a wider one the weight, gradient and two moments in its
+own dtype (``fp32`` for fp32). With the optimizer state split over
+mesh axes (ZeRO-1, ``Strategy.optimizer_axes``) each device keeps its slice
+of it, rounded up to a whole element.
 """
 
 from __future__ import annotations
 
+import math
+
+from autotp.errors import PlanError
 from autotp.graph.flops import is_alias
 from autotp.graph.opgraph import KIND_OP, KIND_PARAM, KIND_BUFFER
 from autotp.placement import local_bytes
 
-ADAM_MOMENTS = 2
-FP32_BYTES = 4
 TERMS = ("parameters", "gradients", "optimizer", "buffers", "activations")
+# bytes per parameter element: weight, gradient, optimizer state
+PRECISIONS = {"fp32": (4, 4, 8), "mixed": (2, 4, 12), "bf16": (2, 2, 4)}
+AUTO = "auto"
 
 
-def node_memory_bytes(op, strategy, mesh, training: bool) -> dict[str, int]:
+def check_precision(precision: str) -> str:
+    """``precision`` itself, or a `PlanError` naming the ones there are."""
+    if precision != AUTO and precision not in PRECISIONS:
+        raise PlanError(f"unknown training precision {precision!r}: use one of {', '.join((AUTO, *PRECISIONS))}")
+    return precision
+
+
+def state_bytes(itemsize: int, precision: str = AUTO) -> tuple[int, int, int]:
+    """``(weight, gradient, optimizer)`` bytes per element of a trained parameter of ``itemsize`` bytes."""
+    if precision != AUTO:
+        return PRECISIONS[precision]
+    return (itemsize, itemsize, 2 * itemsize) if itemsize >= 4 else PRECISIONS["mixed"]
+
+
+def node_memory_bytes(op, strategy, mesh, training: bool, precision: str = AUTO) -> dict[str, int]:
     """Bytes one node keeps on each device under ``strategy``, by term (only the terms it has)."""
     layout = strategy.out
     if op.kind == KIND_PARAM:
@@ -24,7 +59,10 @@ def node_memory_bytes(op, strategy, mesh, training: bool) -> dict[str, int]:
         if not (training and op.requires_grad):
             return {"parameters": local}
         numel = local // op.out[0].dtype.itemsize
-        return {"parameters": local, "gradients": local, "optimizer": ADAM_MOMENTS * FP32_BYTES * numel}
+        weight, gradient, optimizer = state_bytes(op.out[0].dtype.itemsize, precision)
+        split = math.prod(mesh.shape[a] for a in strategy.optimizer_axes)
+        return {"parameters": weight * numel, "gradients": gradient * numel,
+                "optimizer": optimizer * -(-numel // split)}
     if op.kind == KIND_BUFFER:
         return {"buffers": local_bytes(op.out[0], layout, mesh.shape)}
     if op.kind == KIND_OP and training and op.requires_grad and not is_alias(op.target):
@@ -32,11 +70,11 @@ def node_memory_bytes(op, strategy, mesh, training: bool) -> dict[str, int]:
     return {}
 
 
-def memory_by_term(graph, chosen: dict, mesh, training: bool) -> dict[str, int]:
+def memory_by_term(graph, chosen: dict, mesh, training: bool, precision: str = AUTO) -> dict[str, int]:
     """Bytes per device for ``chosen`` (node name -> Strategy), split into named terms."""
     terms = dict.fromkeys(TERMS, 0)
     for op in graph.nodes():
-        for term, nbytes in node_memory_bytes(op, chosen[op.name], mesh, training).items():
+        for term, nbytes in node_memory_bytes(op, chosen[op.name], mesh, training, precision).items():
             terms[term] += nbytes
     terms["total"] = sum(terms.values())
     return terms

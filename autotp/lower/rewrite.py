@@ -111,6 +111,10 @@ class _Lowerer:
         return AxisComm("_".join(self.mesh.names[a] for a in axes), math.prod(self.mesh.shape[a] for a in axes),
                         self.mesh.rank_of(self.coords), group, counter=self.comms[0].counter)
 
+    def axes_comm(self, axes: tuple) -> AxisComm:
+        """The group of one mesh axis, or of all of them (`span_comm`)."""
+        return self.comms[axes[0]] if len(axes) == 1 else self.span_comm(axes)
+
     def chain(self, unit) -> str:
         """The module of a hierarchical gradient sum, e.g. ``grad_hierarchical_dp_tp_d0`` (outer axis first)."""
         key = tuple((s.kind, s.axis, s.dim) for s in unit)
@@ -281,6 +285,7 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, graph=None, batch
     low = _Lowerer(gm, plan, coords, groups, graph)
     for comm in low.comms:
         comm.counter = counter
+    optimizer_shards = []  # (parameter, the group its optimizer state is split over): ZeRO-1
     for names, param in parameter_aliases(gm):
         planned = [n for n in names if n in plan.parameters]
         if not planned:
@@ -291,6 +296,9 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, graph=None, batch
         local = torch.nn.Parameter(shard, requires_grad=param.requires_grad)
         for name in names:  # tied weights stay one parameter
             _set_param(gm, name, local)
+        axes = plan.optimizer_sharding.get(planned[0])
+        if axes and param.requires_grad:
+            optimizer_shards.append((local, low.axes_comm(tuple(plan.mesh.names.index(a) for a in axes))))
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.name in plan.nodes:
             _rewrite_inputs(low, node, _node_plan(plan, node))
@@ -305,4 +313,5 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, graph=None, batch
     if low.reducer is not None:
         low.reducer.hook()
     gm.autotp_reducer = low.reducer  # None when the plan runs its gradient sums in the graph
+    gm.autotp_optimizer_shards = optimizer_shards  # read by `autotp.runtime.shard_optimizer`
     return gm

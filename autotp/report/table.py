@@ -12,6 +12,9 @@ from autotp.report.collapse import collapse
 from autotp.units import format_bytes
 
 
+PHASES = ("forward", "backward", "step")  # "step": after the optimizer step (ZeRO-1's parameter all-gathers)
+
+
 def format_seconds(s: float) -> str:
     return f"{s * 1e3:.3f} ms" if s >= 1e-4 else f"{s * 1e6:.1f} us"
 
@@ -30,8 +33,12 @@ def _count(n: int) -> str:
 
 
 def parameter_lines(plan) -> list[str]:
-    rows = collapse([(fqn, tuple(layout)) for fqn, layout in plan.parameters.items()])
-    return align(["parameter", *plan.mesh.names, ""], [[r.name, *r.values, _count(r.count)] for r in rows])
+    """A parameter's layout per mesh axis; a column for the axes its optimizer state is split on, if any is."""
+    sharded = plan.optimizer_sharding
+    extra = lambda fqn: (("+".join(sharded.get(fqn, ())) or "-",) if sharded else ())  # noqa: E731
+    rows = collapse([(fqn, tuple(layout) + extra(fqn)) for fqn, layout in plan.parameters.items()])
+    header = ["parameter", *plan.mesh.names] + (["optimizer split on"] if sharded else [])
+    return align(header + [""], [[r.name, *r.values, _count(r.count)] for r in rows])
 
 
 def _scope(plan, c: dict) -> str:
@@ -41,16 +48,18 @@ def _scope(plan, c: dict) -> str:
 
 
 def collective_lines(plan) -> list[str]:
-    """One row per collective kind at one place of a layer, forward then backward."""
+    """One row per collective kind at one place of a layer: forward, backward, then after the optimizer step."""
     items = [(_scope(plan, c), (c["phase"], c["kind"], c["axis"], format_bytes(c["bytes"]), format_seconds(c["time_s"])))
-             for phase in ("forward", "backward") for c in plan.collectives if c["phase"] == phase]
+             for phase in PHASES for c in plan.collectives if c["phase"] == phase]
     if not items:
         return ["  none"]
     rows = collapse(items)
     total = lambda phase: sum(c["time_s"] for c in plan.collectives if c["phase"] == phase)  # noqa: E731
     lines = align(["where", "phase", "collective", "axis", "bytes", "time each", ""],
                   [[r.name, *r.values, _count(r.count)] for r in rows], left=4)
-    return lines + [f"total: forward {format_seconds(total('forward'))}, backward {format_seconds(total('backward'))}"]
+    step = f", after the optimizer step {format_seconds(total('step'))}" if total("step") else ""
+    return lines + [f"total: forward {format_seconds(total('forward'))}, backward {format_seconds(total('backward'))}"
+                    + step]
 
 
 def exposed_comm_s(plan) -> float:

@@ -9,7 +9,7 @@ time the backward pass hides, is that step time again.
 
 from __future__ import annotations
 
-from autotp.cost.comm import collective_time_s, inner_all_reduces
+from autotp.cost.comm import collective_time_s, inner_all_reduces, optimizer_gather, optimizer_time_s
 from autotp.cost.compute import compute_time_s
 from autotp.cost.memory import memory_by_term
 from autotp.cost.reshard import cheapest_steps, step_seconds
@@ -66,12 +66,24 @@ def inner_collectives(op, strategy, mesh, profile) -> list[dict]:
     return out
 
 
+def optimizer_collectives(op, strategy, mesh, profile) -> list[dict]:
+    """The all-gather that rebuilds a parameter whose optimizer state is split (ZeRO-1), after the step."""
+    gather = optimizer_gather(op, strategy, mesh)
+    if gather is None:
+        return []
+    axes, nbytes = gather
+    return [{"node": op.name, "input": 0, "producer": op.name, "phase": "step", "kind": "all_gather",
+             "axis": "+".join(mesh.names[a] for a in axes), "bytes": int(nbytes),
+             "time_s": _round(optimizer_time_s(op, strategy, mesh, profile))}]
+
+
 def all_collectives(graph, chosen, mesh, profile, training, whole_outputs=False, deferred=frozenset(),
                     bucket_bytes: int = 0) -> list[dict]:
     """The collectives of the lowered program; uses of one tensor in one layout share them."""
     out = []
     for op in graph.nodes():
         out += inner_collectives(op, chosen[op.name], mesh, profile)
+        out += optimizer_collectives(op, chosen[op.name], mesh, profile)
     for producer, uses in uses_of(graph).items():
         seen = set()
         for consumer, i in uses:
@@ -117,6 +129,8 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
                                tuple(layout_str(layout) for layout in chosen[op.name].ins), chosen[op.name].impl)
              for op in graph.nodes()}
     params = {op.fqn: layout_str(chosen[op.name].out) for op in graph.nodes() if op.kind == KIND_PARAM}
+    optimizer = {op.fqn: [mesh.names[a] for a in chosen[op.name].optimizer_axes]
+                 for op in graph.nodes() if op.kind == KIND_PARAM and chosen[op.name].optimizer_axes}
     return Plan(
         mesh=mesh, profile=profile.name, training=training, parameters=params, nodes=nodes,
         fallback_ops=dict(problem.strategies.fallback), collectives=collectives,
@@ -125,13 +139,14 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
                    "comm_s": sum(c["time_s"] for c in collectives),
                    "gradient_s": step.gradient_s, "gradient_hidden_s": step.gradient_hidden_s,
                    "total_s": step.total_s, "objective_s": solution.objective_s},
-        memory=memory_by_term(graph, chosen, mesh, training),
+        memory=memory_by_term(graph, chosen, mesh, training, problem.precision),
         inputs=inputs,
         ilp={"groups": len(problem.groups), "edges": len(problem.edges), "fanouts": len(problem.fanouts),
              "variables": solution.variables, "constraints": solution.constraints, "ops": len(graph),
              **problem.sharing.summary()},
         runtime={"overlap_gradients": problem.overlap_gradients, "bucket_bytes": problem.bucket_bytes,
-                 "whole_outputs": whole_outputs},
+                 "whole_outputs": whole_outputs, "precision": problem.precision},
+        optimizer_sharding=optimizer,
         io=io_layouts(graph, chosen, mesh, whole_outputs),
     )
 

@@ -69,8 +69,10 @@ def same_as(plan):
         entry = plan.nodes.get(op.name)
         if entry is None or entry.op != op.op_name:
             return True
+        split = tuple(plan.optimizer_sharding.get(op.fqn, ())) if op.kind == KIND_PARAM else ()
         return (layout_str(strategy.out) == tuple(entry.out) and strategy.impl == entry.impl
-                and tuple(layout_str(layout) for layout in strategy.ins) == tuple(tuple(i) for i in entry.ins))
+                and tuple(layout_str(layout) for layout in strategy.ins) == tuple(tuple(i) for i in entry.ins)
+                and tuple(plan.mesh.names[a] for a in strategy.optimizer_axes) == split)
 
     allow.strict = True  # an op with no matching strategy is an error, not a silent replicate
     return allow

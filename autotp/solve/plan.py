@@ -16,8 +16,8 @@ from autotp.fileio import atomic_write_text
 from autotp.mesh import Mesh
 from autotp.placement import parse_layout
 
-PLAN_VERSION = 4  # 4 added ``runtime`` and ``io``; 3 added ``source`` and ``scopes``; 2 and 3 still load
-READABLE_VERSIONS = (2, 3, 4)
+PLAN_VERSION = 5  # 5 added ``optimizer_sharding``; 4 ``runtime`` and ``io``; 3 ``source`` and ``scopes``
+READABLE_VERSIONS = (2, 3, 4, 5)
 # what plans made before version 4 mean: every output whole, gradient sums run where they are used
 LEGACY_RUNTIME = {"overlap_gradients": False, "bucket_bytes": 25 * 2**20, "whole_outputs": True}
 
@@ -60,6 +60,8 @@ class Plan:
     runtime: dict = field(default_factory=lambda: dict(LEGACY_RUNTIME))
     # {"inputs": [[placeholder, layout a rank may be given], ...], "outputs": [layout each output comes back in]}
     io: dict = field(default_factory=dict)
+    # parameter -> the mesh axes (names) its optimizer state is split on (ZeRO-1); `autotp.runtime.shard_optimizer`
+    optimizer_sharding: dict[str, list[str]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -71,6 +73,7 @@ class Plan:
             "predicted": {k: _round(v) for k, v in self.predicted.items()}, "memory": self.memory,
             "inputs": self.inputs, "ilp": self.ilp, "source": self.source, "scopes": dict(self.scopes),
             "runtime": dict(self.runtime), "io": self.io,
+            "optimizer_sharding": {k: list(v) for k, v in self.optimizer_sharding.items()},
         }
 
     def to_json(self) -> str:
@@ -93,6 +96,7 @@ class Plan:
             predicted=dict(d["predicted"]), memory=dict(d["memory"]), inputs=dict(d["inputs"]), ilp=dict(d["ilp"]),
             source=d.get("source"), scopes=dict(d.get("scopes") or {}),
             runtime={**LEGACY_RUNTIME, **(d.get("runtime") or {})}, io=dict(d.get("io") or {}),
+            optimizer_sharding={k: list(v) for k, v in (d.get("optimizer_sharding") or {}).items()},
         )
 
     @classmethod

@@ -27,9 +27,9 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from autotp.cost.comm import DEFAULT_BUCKET_BYTES, inner_time_s
+from autotp.cost.comm import DEFAULT_BUCKET_BYTES, inner_time_s, optimizer_time_s
 from autotp.cost.compute import compute_time_s
-from autotp.cost.memory import node_memory_bytes
+from autotp.cost.memory import AUTO, node_memory_bytes
 from autotp.cost.reshard import edge_times_s
 from autotp.graph.opgraph import KIND_PARAM, OpGraph
 from autotp.placement import R, Shard
@@ -95,6 +95,7 @@ class Problem:
     chain: Chain | None = None  # None: gradient sums are not overlapped (all their time is exposed)
     sharing: Sharing = field(default_factory=Sharing)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    precision: str = AUTO  # the training precision the memory of parameters' state is counted in
 
     def strategy(self, node: str, choice: int):
         group = self.groups[self.group_of[node]]
@@ -160,7 +161,7 @@ def deferred_parameters(graph: OpGraph, uses: dict) -> set[str]:
 
 def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, training: bool,
                   overlap_gradients: bool = True, share_layers: bool = True, whole_outputs: bool = False,
-                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Problem:
+                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision: str = AUTO) -> Problem:
     """Cost every group choice, every use of every tensor, and (when overlapped) the gradient chain.
 
     With ``overlap_gradients`` (and ``training``) the gradient sums of
@@ -168,19 +169,20 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
     they are exposed like every other collective. ``whole_outputs`` returns
     every output replicated (R); by default an output split by rows stays so
     and anything else is made whole (`output_layout`). With ``share_layers``
-    identical layers share their
-    choices (`autotp.solve.layers`).
+    identical layers share their choices (`autotp.solve.layers`). ``precision`` is the training precision
+    of the parameters' state (`autotp.cost.memory`).
     """
     groups = {op.name: Group(op.name, {op.name: list(range(len(strategies.by_node[op.name])))})
               for op in graph.nodes()}
     group_of = {name: name for name in groups}
     sharing = share_identical_layers(graph, strategies, groups, group_of) if share_layers else Sharing()
-    problem = Problem(groups, group_of, {}, strategies, sharing=sharing, bucket_bytes=bucket_bytes)
+    problem = Problem(groups, group_of, {}, strategies, sharing=sharing, bucket_bytes=bucket_bytes,
+                      precision=precision)
     for group in groups.values():
         group.cost_s, group.memory_bytes = [0.0] * group.n, [0] * group.n
     uses = uses_of(graph)
     deferred = deferred_parameters(graph, uses) if training and overlap_gradients else set()
-    coster = _Coster(problem, graph, mesh, profile, training, whole_outputs, deferred)
+    coster = _Coster(problem, graph, mesh, profile, training, whole_outputs, deferred, precision)
     for (leader, name), count in Counter((group_of[op.name], sharing.of(op.name)) for op in graph.nodes()).items():
         coster.add_node(groups[leader], graph.node(name), count)
     canonical = Counter((sharing.of(p), tuple((sharing.of(v) if v != OUTPUT else v, i) for v, i in u))
@@ -203,6 +205,7 @@ class _Coster:
     training: bool
     whole_outputs: bool
     deferred: set
+    precision: str = AUTO
     memo: dict = field(default_factory=dict)
 
     def add_node(self, group: Group, op, count: int) -> None:
@@ -210,8 +213,10 @@ class _Coster:
         for c in range(group.n):
             strategy = self.problem.strategy(op.name, c)
             group.cost_s[c] += count * (compute_time_s(op, strategy, self.mesh, self.profile, self.training)
-                                        + inner_time_s(op, strategy, self.mesh, self.profile))
-            group.memory_bytes[c] += count * sum(node_memory_bytes(op, strategy, self.mesh, self.training).values())
+                                        + inner_time_s(op, strategy, self.mesh, self.profile)
+                                        + optimizer_time_s(op, strategy, self.mesh, self.profile))
+            group.memory_bytes[c] += count * sum(node_memory_bytes(op, strategy, self.mesh, self.training,
+                                                                   self.precision).values())
 
     def use(self, producer: str, consumer: str, i: int, cu: int, cv: int) -> tuple[tuple | None, float, float]:
         """``(target key, exposed, gradient)`` seconds of one use for one pair of choices.

@@ -46,6 +46,9 @@ class Strategy:
     impl: str | None = None  # a special local implementation (see AxisOption)
     inner_all_reduces: tuple = ()  # per mesh axis, all-reduces run inside the implementation
     inner_values: int | None = None  # each of them moves one value per local row, or this many values
+    # a parameter's optimizer state split over these mesh axes, where the parameter itself is whole (ZeRO-1):
+    # each device steps its slice and the updated parameter is all-gathered (`autotp.runtime.optimizer`)
+    optimizer_axes: tuple = ()
 
     def grad_allreduce_axes(self, i: int) -> tuple[int, ...]:
         """Mesh axes on which input ``i``'s local gradient is a partial sum although the input is R.
@@ -59,12 +62,15 @@ class Strategy:
 
     @property
     def is_replicated(self) -> bool:
-        return all(isinstance(p, Replicate) for p in self.out) and all(
+        """Everything whole, the optimizer state included: the single-device program."""
+        return not self.optimizer_axes and all(isinstance(p, Replicate) for p in self.out) and all(
             isinstance(p, Replicate) for layout in self.ins for p in layout)
 
     def describe(self) -> str:
         ins = ", ".join("".join(str(p) for p in layout) for layout in self.ins)
         impl = f" [{self.impl}]" if self.impl else ""
+        if self.optimizer_axes:
+            impl += f" [optimizer state split on axes {','.join(str(a) for a in self.optimizer_axes)}]"
         return f"({ins}) -> {''.join(str(p) for p in self.out)}{impl}"
 
 

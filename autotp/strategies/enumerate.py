@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autotp.graph.opgraph import KIND_OP, KIND_PARAM, OpGraph
 from autotp.graph.signature import op_signature
@@ -23,23 +23,45 @@ def _param_options(op) -> list[AxisOption]:
     return [AxisOption(Shard(d), ()) for d, size in enumerate(meta.shape) if size > 1]
 
 
-def enumerate_strategies(graph: OpGraph, mesh_shape, registry) -> OpStrategies:
+def enumerate_strategies(graph: OpGraph, mesh_shape, registry, optimizer_sharding: bool = False) -> OpStrategies:
     """Apply the registry's rule to every op; an op without a usable rule gets only R.
 
     Rules are pure functions of an op's content, so ops with the same
     `op_signature` (the same op in each of 80 identical layers) are enumerated once.
+    With ``optimizer_sharding`` (training), a trained parameter also gets each
+    of its layouts with its optimizer state split where it is whole
+    (`optimizer_variants`), after the plain ones.
     """
     result = OpStrategies(by_node={})
     seen: dict[tuple, tuple[list[Strategy], str | None]] = {}
     for op in graph.nodes():
         key = op_signature(op)
         if key not in seen:
-            seen[key] = _strategies_of(op, mesh_shape, registry)
+            strategies, reason = _strategies_of(op, mesh_shape, registry)
+            if optimizer_sharding and op.kind == KIND_PARAM and op.requires_grad:
+                strategies = strategies + [v for s in strategies for v in optimizer_variants(s, mesh_shape)]
+            seen[key] = strategies, reason
         strategies, reason = seen[key]
         result.by_node[op.name] = list(strategies)
         if reason:
             result.fallback[op.name] = reason
     return result
+
+
+def optimizer_variants(strategy: Strategy, mesh_shape) -> list[Strategy]:
+    """``strategy`` with its optimizer state split (ZeRO-1) on each axis where the parameter is whole.
+
+    One variant per such axis of size > 1, and one over all of them when the
+    parameter is whole on every axis of size > 1 (the whole mesh is one group):
+
+        mesh 2x4, layout (R, S(0)) -> optimizer state split on axis 0
+        mesh 2x4, layout (R, R)    -> on axis 0, on axis 1, on both
+    """
+    whole = tuple(a for a, p in enumerate(strategy.out) if p == R and mesh_shape[a] > 1)
+    axes = [(a,) for a in whole]
+    if len(whole) > 1 and len(whole) == sum(size > 1 for size in mesh_shape):
+        axes.append(whole)
+    return [replace(strategy, optimizer_axes=a) for a in axes]
 
 
 def _strategies_of(op, mesh_shape, registry) -> tuple[list[Strategy], str | None]:
