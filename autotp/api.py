@@ -9,9 +9,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autotp.capture import capture, example_specs, inputs_from_specs
-from autotp.cost.memory import TERMS, check_precision, memory_by_term
+from autotp.capture.micro import batch_size, divisors, micro_batch
+from autotp.cost.memory import TERMS, check_precision
 from autotp.cost.profile import load_profile
-from autotp.errors import MemoryLimitError
+from autotp.errors import MemoryLimitError, PlanError
 from autotp.graph import build_opgraph
 from autotp.lower import lower
 from autotp.materialize import check_materialized, prepare_weights
@@ -19,7 +20,7 @@ from autotp.mesh import Mesh
 from autotp.progress import Stages, stages_or_silent
 from autotp.report.scopes import node_scopes
 from autotp.runtime.groups import mesh_groups
-from autotp.solve.assemble import assemble_plan, chosen_strategies
+from autotp.solve.assemble import assemble_plan, chosen_strategies, plan_memory
 from autotp.solve.constraints import apply_constraints
 from autotp.solve.ilp import MemoryInfeasible, solve
 from autotp.solve.plan import Plan
@@ -55,7 +56,7 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
          time_limit_s: float | None = None, memory_limit=AUTO, overlap_gradients: bool = True,
          bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True, solver: str = "auto",
          replay_layers: bool = True, precision: str = AUTO, optimizer_sharding: bool = True,
-         progress: Stages | None = None) -> Plan:
+         recompute: bool = True, micro_batches=AUTO, progress: Stages | None = None) -> Plan:
     """Choose a placement for every parameter and op of ``model`` on ``mesh``: the fastest step that fits.
 
     ``pin`` fixes parameter placements (``{"fc1.weight": ("S(0)",)}``) and lets
@@ -84,7 +85,16 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     * ``optimizer_sharding`` lets the ILP split a parameter's optimizer state
       over the mesh axes where the parameter is whole (ZeRO-1), paying an
       all-gather of the parameter after each step; it does so when memory
-      binds. `autotp.runtime.shard_optimizer` builds the optimizer that does it.
+      binds. `autotp.runtime.shard_optimizer` builds the optimizer that does it;
+    * ``recompute`` lets the ILP recompute classes of identical layers in
+      backward (activation checkpointing), paying their forward compute
+      again for the activations it frees; it does so when memory binds, and
+      ``plan.recompute`` names the layers (`autotp.solve.recompute`);
+    * ``micro_batches``: the example batch is one optimizer step's; the plan
+      may run it as k micro-batches of batch/k (gradients summed once, after
+      the last), ``plan.micro_batches`` says k and `autotp.runtime.accumulate`
+      runs them. ``"auto"`` (training) tries k = 1, 2, ... (divisors of the
+      batch) while memory binds and keeps the fastest plan; an int fixes k.
 
     ``progress`` (an `autotp.progress.Stages`) reports each stage and its time
     on stderr; by default nothing is printed. ``share_layers`` gives identical
@@ -96,14 +106,41 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     (`autotp.capture.replay`; the plan records it, so `parallelize` captures alike).
     """
     started, stages = time.perf_counter(), stages_or_silent(progress)
-    captured = capture_model(model, example_inputs, example_kwargs, replay_layers, stages)
-    result = plan_captured(captured, mesh, training=training, profile=profile, pin=pin, allow=allow,
-                           registry=registry, time_limit_s=time_limit_s, memory_limit=memory_limit,
-                           overlap_gradients=overlap_gradients, bucket_cap_mb=bucket_cap_mb,
-                           whole_outputs=whole_outputs, share_layers=share_layers, solver=solver,
-                           precision=precision, optimizer_sharding=optimizer_sharding, progress=stages)
-    result.stats["plan_s"] = time.perf_counter() - started
-    return result
+    example_inputs, example_kwargs = _as_tuple(example_inputs), dict(example_kwargs or {})
+    options = dict(training=training, profile=profile, pin=pin, allow=allow, registry=registry,
+                   time_limit_s=time_limit_s, memory_limit=memory_limit, overlap_gradients=overlap_gradients,
+                   bucket_cap_mb=bucket_cap_mb, whole_outputs=whole_outputs, share_layers=share_layers,
+                   solver=solver, precision=precision, optimizer_sharding=optimizer_sharding, recompute=recompute)
+    best, failure = None, None
+    for k in micro_batch_counts(micro_batches, training, example_inputs, example_kwargs):
+        args, kwargs = micro_batch(example_inputs, example_kwargs, k)
+        captured = capture_model(model, args, kwargs, replay_layers, stages)
+        try:
+            result = plan_captured(captured, mesh, micro_batches=k, progress=stages, **options)
+        except MemoryLimitError as exc:
+            failure = exc  # fewer tokens per micro-batch may fit: try the next k
+            continue
+        if best is None or result.predicted["total_s"] < best.predicted["total_s"]:
+            best = result
+        if not result.stats["memory_bound"]:
+            break  # the fastest plan of this k fits as it is: more micro-batches only add steps to it
+    if best is None:
+        raise failure
+    best.stats["plan_s"] = time.perf_counter() - started
+    return best
+
+
+def micro_batch_counts(micro_batches, training: bool, example_inputs, example_kwargs) -> list[int]:
+    """The numbers of micro-batches to try: the batch's divisors for ``"auto"`` (training), else the one given."""
+    batch = batch_size(example_inputs, example_kwargs)
+    if micro_batches == AUTO:
+        return divisors(batch) if training and batch else [1]
+    if not isinstance(micro_batches, int) or micro_batches < 1 or (micro_batches > 1 and not training):
+        raise PlanError(f"micro_batches must be 'auto' or a positive int (and 1 for inference), not {micro_batches!r}")
+    if micro_batches > 1 and (not batch or batch % micro_batches):
+        raise PlanError(f"a batch of {batch} does not split into {micro_batches} micro-batches: pick a divisor of "
+                        f"it ({', '.join(map(str, divisors(batch or 1)))})")
+    return [micro_batches]
 
 
 @dataclass(frozen=True)
@@ -133,7 +170,7 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
                   allow=None, registry=None, time_limit_s=None, memory_limit=AUTO, overlap_gradients: bool = True,
                   bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True,
                   solver: str = "auto", precision: str = AUTO, optimizer_sharding: bool = True,
-                  progress: Stages | None = None) -> Plan:
+                  recompute: bool = True, micro_batches: int = 1, progress: Stages | None = None) -> Plan:
     """Stages 2 to 5 of `plan` on a captured model: strategies, costs, the ILP, the `Plan`."""
     started, stages = time.perf_counter(), stages_or_silent(progress)
     mesh, profile, graph = as_mesh(mesh), load_profile(profile), captured.graph
@@ -146,7 +183,7 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
         stage.detail = f"{sum(len(s) for s in strategies.by_node.values()):,} strategies"
     with stages.stage("costing"):
         problem = build_problem(graph, strategies, mesh, profile, training, overlap_gradients, share_layers,
-                                whole_outputs, int(bucket_cap_mb * 2**20), precision)
+                                whole_outputs, int(bucket_cap_mb * 2**20), precision, recompute, micro_batches)
     limit = (default_memory_limit(profile, training) if memory_limit == AUTO
              else parse_bytes(memory_limit) if memory_limit is not None else None)
     with stages.stage("solving ILP") as stage:
@@ -161,6 +198,7 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
                     "stages_s": dict(stages.times), "solver": solution.solver, "memory_limit": limit,
                     "gap": solution.gap or 0.0,  # > 0 only when time_limit_s stopped the solver early
                     "constrained": bool(pin or allow),  # the search space was narrowed: baselines may lie outside
+                    "memory_bound": solution.limited,  # the fastest plan did not fit: the limit shaped this one
                     "capture": captured.gm.meta["autotp_capture"]}
     return result
 
@@ -189,11 +227,18 @@ _HINTS = {
 
 def memory_limit_error(graph, problem, smallest, mesh, training, limit) -> MemoryLimitError:
     """The error for a limit no plan meets: the least memory any plan needs, and its largest term."""
-    terms = memory_by_term(graph, chosen_strategies(problem, smallest), mesh, training, problem.precision)
+    terms = plan_memory(graph, problem, smallest, chosen_strategies(problem, smallest), mesh, training)
     dominant = max(TERMS, key=lambda t: terms[t])
+    levers = ["every split of every op"]
+    if any(s.optimizer_axes for options in problem.strategies.by_node.values() for s in options):
+        levers.append("optimizer state split where weights are whole (ZeRO-1)")
+    if problem.recompute:
+        levers.append(f"recomputation of {len(problem.recompute)} layer class(es)")
+    if problem.micro_batches > 1:
+        levers.append(f"{problem.micro_batches} micro-batches a step")
     return MemoryLimitError(
-        f"no plan fits {format_bytes(limit)} per device on {mesh}: the smallest any plan reaches is "
-        f"{format_bytes(terms['total'])}, of which {dominant} {format_bytes(terms[dominant])}; "
+        f"no plan fits {format_bytes(limit)} per device on {mesh}: with {', '.join(levers)}, the smallest any "
+        f"plan reaches is {format_bytes(terms['total'])}, of which {dominant} {format_bytes(terms[dominant])}; "
         f"raise memory_limit or {_HINTS[dominant]}")
 
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
-from autotp.api import DEFAULT_PROFILE, capture_model, plan, plan_captured
+from autotp.api import DEFAULT_PROFILE, plan
 from autotp.cost.profile import load_profile
 from autotp.errors import AutotpError
 from autotp.fileio import atomic_write_bytes, atomic_write_text
@@ -89,25 +88,34 @@ def cmd_plan(args) -> int:
     options = dict(training=training, profile=profile, memory_limit=_memory_limit(args.memory_limit),
                    overlap_gradients=args.overlap_gradients, bucket_cap_mb=args.bucket_cap_mb,
                    whole_outputs=args.whole_outputs, precision=args.precision,
-                   optimizer_sharding=args.optimizer_sharding)
+                   optimizer_sharding=args.optimizer_sharding, recompute=args.recompute)
+    micro = _micro_batches(args.micro_batches)
     if saved is not None:  # a re-cost runs the program as the plan was made to run
         runtime = saved.runtime
         options.update(overlap_gradients=runtime["overlap_gradients"], whole_outputs=runtime["whole_outputs"],
                        bucket_cap_mb=runtime["bucket_bytes"] / 2**20, precision=runtime.get("precision", "auto"))
-    started = time.perf_counter()
-    captured = capture_model(model, inputs, kwargs, progress=stages)
-    result = plan_captured(captured, mesh, pin=pins, allow=same_as(saved) if saved else None, progress=stages,
-                           **options)
-    result.stats["plan_s"] = time.perf_counter() - started
+        micro = saved.micro_batches
+    result = plan(model, mesh, inputs, kwargs, pin=pins, allow=same_as(saved) if saved else None, progress=stages,
+                  micro_batches=micro, **options)
     result.source = spec.to_source()
     baselines = None
     if not args.no_baselines:
         with stages.stage(f"costing the baselines ({', '.join(BASELINES)})"):
-            baselines = baseline_plans(model, mesh, inputs, kwargs, captured=captured, **options)
+            baselines = baseline_plans(model, mesh, inputs, kwargs, **options)
     print(format_plan(result, baselines))
     print(f"planned in {result.stats['plan_s']:.2f} s (ILP solve {result.stats['solve_s']:.2f} s)")
     _write_outputs(args, result, model, inputs, kwargs, baselines, stages)
     return 0
+
+
+def _micro_batches(text: str):
+    """``--micro-batches``: ``auto`` or a positive count."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"--micro-batches takes 'auto' or a count such as 4, not {text!r}") from None
 
 
 def _memory_limit(text: str):
@@ -315,6 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-optimizer-sharding", dest="optimizer_sharding", action="store_false",
                    help="keep every optimizer state whole (by default the plan may split it where a parameter is "
                         "whole, ZeRO-1, when memory binds)")
+    p.add_argument("--micro-batches", default="auto",
+                   help="run the batch as this many micro-batches a step, gradients summed once; 'auto' (the "
+                        "default) tries more while memory binds and keeps the fastest plan")
+    p.add_argument("--no-recompute", dest="recompute", action="store_false",
+                   help="keep every activation (by default the plan may recompute classes of identical layers in "
+                        "backward when memory binds)")
     p.add_argument("--whole-outputs", action="store_true",
                    help="return every output replicated on every rank (default: each rank its own rows where "
                         "the plan splits the batch, as with DDP; whole otherwise)")

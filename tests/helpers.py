@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 import autotp
+from autotp.graph.opgraph import KIND_PARAM
 from autotp.solve.constraints import data_parallel_only, replicated_only
+from autotp.strategies.enumerate import optimizer_variants
 from conftest import compute_bound_profile
 from models import GPT, MLP
 
@@ -50,3 +52,15 @@ def forced_plan(kind: str, name: str, mesh, **options):
     if kind == "megatron":
         return autotp.plan(model, mesh, inputs, profile="h100-hgx", pin=megatron_pins(name, model, mesh), **options)
     raise ValueError(kind)
+
+
+def split_optimizer_where_whole(mesh_shape):
+    """A filter: a trained parameter whose optimizer state can be split has it split, over the most axes it can."""
+
+    def allow(op, strategy) -> bool:
+        if op.kind != KIND_PARAM or not op.requires_grad:
+            return True
+        widest = max((len(v.optimizer_axes) for v in optimizer_variants(strategy, mesh_shape)), default=0)
+        return len(strategy.optimizer_axes) == widest
+
+    return allow

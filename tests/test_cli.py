@@ -123,8 +123,8 @@ def test_the_set_of_flags_is_pinned():
     hf = ["--batch", "--config", "--ffn", "--heads", "--hidden", "--kv-heads", "--layers", "--seq", "--vocab"]
     assert flags == {
         "plan": sorted(["--bucket-cap-mb", "--export-dtensor", "--export-tp-plan", "--inference", "--json", "--links",
-                        "--memory-limit", "--mesh", "--no-baselines", "--no-optimizer-sharding",
-                        "--no-overlap-gradients", "--png", "--precision", "--profile", "--quiet", "--svg", "--tp-plan",
+                        "--memory-limit", "--mesh", "--micro-batches", "--no-baselines", "--no-optimizer-sharding",
+                        "--no-overlap-gradients", "--no-recompute", "--png", "--precision", "--profile", "--quiet", "--svg", "--tp-plan",
                         "--whole-outputs", *hf]),
         "verify": sorted(["--links", "--mesh", "--plan", "--profile", "--quiet", "--tolerance", *hf]),
         "explain": ["--profile", "--quiet"],

@@ -29,6 +29,13 @@ when it fills, and the next step of a sum of several steps (a hierarchical
 one) when a later bucket fills, after waiting for the step before; the rest
 at the end of the backward pass, bucket by bucket.
 
+Micro-batches (`autotp.runtime.accumulate`): inside ``no_sync()`` a backward
+pass sums nothing; each parameter's partial gradient accumulates in
+``.grad`` as autograd leaves it (as DDP's ``no_sync``). The first backward
+pass after it copies the accumulated partial gradient into the bucket with
+the new one, so the sum over ranks is taken once, of every micro-batch's.
+Gradients must be zero (``None``) when the first ``no_sync`` pass starts.
+
 Gradients reach ``.grad`` when ``backward()`` returns: use ``.backward()``.
 ``torch.autograd.grad`` on the parameters of a rank module would see the
 partial gradients (as with DDP, which does not support it either).
@@ -41,6 +48,7 @@ the ranks) and the all-gather puts them back in the same order.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -151,6 +159,8 @@ class GradientReducer:
     _layout: tuple = ()  # the members' dtypes and devices the buckets were formed for
     _task: int | None = None  # the backward pass whose end is queued
     _started: list = field(default_factory=list)  # buckets started in this pass, in order
+    _unsynced: set = field(default_factory=set)  # entries whose .grad holds partial gradients of no_sync passes
+    syncing: bool = True  # False inside no_sync(): gradients accumulate unsummed
 
     def add(self, param: torch.nn.Parameter, unit: tuple, position: int) -> None:
         self.entries.append(_Entry(param, tuple(unit), position))
@@ -185,15 +195,36 @@ class GradientReducer:
             self._place[j] = (bucket, k)
         return bucket
 
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate partial gradients in ``.grad``; the next one outside sums them all."""
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
+
     def _arrive(self, i: int):
         def hook(grad: torch.Tensor):
+            if not self.syncing:
+                return self._hold(i, grad)
             if self.ready(i, grad):
                 return torch.zeros_like(grad)  # the sum is added into the existing .grad when backward ends
             return None  # autograd stores it, `_drop` frees it, the sum takes its place when backward ends
         return hook
 
+    def _hold(self, i: int, grad: torch.Tensor) -> None:
+        """A no_sync pass: autograd accumulates the partial gradient into ``.grad`` itself."""
+        if i not in self._unsynced and self.entries[i].param.grad is not None:
+            raise RuntimeError("gradients must be zero before accumulating micro-batches without a sum: call "
+                               "optimizer.zero_grad() (or set .grad to None) before the first no_sync pass")
+        self._unsynced.add(i)
+        return None
+
     def _drop(self, i: int):
         def hook(param: torch.nn.Parameter) -> None:
+            if i in self._unsynced:
+                return  # a no_sync pass: the partial gradient stays in .grad until the pass that sums
             bucket, k = self._place[i]
             if k not in bucket.accumulate:
                 param.grad = None  # a copy is in the bucket
@@ -208,6 +239,10 @@ class GradientReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self._task, self._started = task, []
         bucket, k = self._place[i]
+        if i in self._unsynced:  # the partial gradients of earlier micro-batches join this one's in the sum
+            self._unsynced.discard(i)
+            param = self.entries[i].param
+            grad, param.grad = grad.detach() + param.grad, None
         accumulating = bucket.add(k, grad.detach())
         if bucket.full and not bucket.started:
             for older in self._started:

@@ -34,6 +34,7 @@ from autotp.lower.collectives import AxisComm, Collective, CollectiveChain
 from autotp.lower.entry import InputEntry
 from autotp.lower.impls import build_impl
 from autotp.lower.local_args import local_target, localize_args
+from autotp.lower.recompute import recompute_layers
 from autotp.lower.reducer import GradientReducer
 from autotp.placement import R, Shard, local_shape, parse_layout, shard_factor, shard_index
 from autotp.redistribute import SLICE, Unsupported, is_gradient_sum, replay_steps, step_units
@@ -310,6 +311,7 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, graph=None, batch
     gm.graph.lint()
     gm.recompile()
     batch_collectives(gm, batch, overlap)
+    recompute_layers(gm, graph, plan.recompute if plan.training else ())
     if low.reducer is not None:
         low.reducer.hook()
     gm.autotp_reducer = low.reducer  # None when the plan runs its gradient sums in the graph

@@ -80,6 +80,15 @@ def memory_line(plan) -> str:
     return "memory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items() if v or k == "total")
 
 
+def recompute_lines(plan) -> list[str]:
+    """The layers recomputed in backward, identical ones folded: ``blocks.* ×2``."""
+    if not plan.recompute:
+        return []
+    rows = collapse([(layer, ()) for layer in plan.recompute])
+    layers = ", ".join(r.name + (f" {_count(r.count)}" if r.count > 1 else "") for r in rows)
+    return [f"recomputed in backward: {layers} (forward compute {format_seconds(plan.predicted['recompute_s'])})"]
+
+
 def fallback_lines(plan) -> list[str]:
     if not plan.fallback_ops:
         return ["fallback ops: none (every op had a strategy rule)"]
@@ -156,7 +165,7 @@ def format_plan(plan, baselines=None) -> str:
     lines += parameter_lines(plan)
     lines += ["", "collectives (per layer where layers are identical; 'time each' is one call):"]
     lines += collective_lines(plan)
-    lines += ["", time_line(plan), memory_line(plan)]
+    lines += ["", time_line(plan), memory_line(plan)] + recompute_lines(plan)
     lines.append(f"ILP: {plan.ilp['ops']} ops in {plan.ilp['groups']} groups, "
                  f"{plan.ilp['variables']} variables, {plan.ilp['constraints']} constraints")
     if baselines:

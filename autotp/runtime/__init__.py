@@ -1,8 +1,9 @@
-"""Stage 7: process groups from a mesh, local multi-process launch, the optimizer of a rank module."""
+"""Stage 7: process groups from a mesh, local multi-process launch, training steps and the optimizer."""
 
+from autotp.runtime.accumulate import accumulate
 from autotp.runtime.groups import mesh_groups
 from autotp.runtime.local import local_inputs
 from autotp.runtime.optimizer import shard_optimizer
 from autotp.runtime.spawn import spawn
 
-__all__ = ["local_inputs", "mesh_groups", "shard_optimizer", "spawn"]
+__all__ = ["accumulate", "local_inputs", "mesh_groups", "shard_optimizer", "spawn"]

@@ -18,6 +18,7 @@ from autotp.placement import layout_str
 from autotp.redistribute import entry_layout
 from autotp.solve.plan import NodePlan, Plan
 from autotp.solve.problem import OUTPUT, deferred_parameters, output_layout, use_target, uses_of
+from autotp.solve.recompute import recompute_effect
 from autotp.solve.step import step_time
 
 
@@ -119,12 +120,28 @@ def io_layouts(graph, chosen, mesh, whole_outputs: bool) -> dict:
     return {"inputs": inputs, "outputs": outputs}
 
 
+def calls_per_step(record: dict, micro_batches: int) -> int:
+    """How often a collective runs in a step: once per micro-batch, but gradient sums in buckets and ZeRO-1's
+    all-gathers after the optimizer step run once."""
+    return 1 if record["phase"] == "step" or record.get("bucketed") else micro_batches
+
+
+def plan_memory(graph, problem, solution, chosen, mesh, training) -> dict[str, int]:
+    """Memory per device by term; recomputed layers keep fewer activations, and rebuild one layer's at a time."""
+    terms = memory_by_term(graph, chosen, mesh, training, problem.precision)
+    _, freed, transient = recompute_effect(problem, solution.choice, solution.recompute)
+    terms["activations"] += transient - freed
+    terms["total"] += transient - freed
+    return terms
+
+
 def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dict, whole_outputs: bool = False) -> Plan:
     chosen = chosen_strategies(problem, solution)
     deferred = deferred_parameters(graph, uses_of(graph)) if problem.overlap_gradients else set()
     collectives = all_collectives(graph, chosen, mesh, profile, training, whole_outputs, deferred,
                                   problem.bucket_bytes)
-    step = step_time(problem, solution.choice)
+    step, k = step_time(problem, solution.choice, solution.recompute), problem.micro_batches
+    again_s = recompute_effect(problem, solution.choice, solution.recompute)[0]
     nodes = {op.name: NodePlan(op.op_name, layout_str(chosen[op.name].out),
                                tuple(layout_str(layout) for layout in chosen[op.name].ins), chosen[op.name].impl)
              for op in graph.nodes()}
@@ -134,12 +151,13 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
     return Plan(
         mesh=mesh, profile=profile.name, training=training, parameters=params, nodes=nodes,
         fallback_ops=dict(problem.strategies.fallback), collectives=collectives,
-        predicted={"compute_s": sum(compute_time_s(op, chosen[op.name], mesh, profile, training)
-                                    for op in graph.nodes()),
-                   "comm_s": sum(c["time_s"] for c in collectives),
+        predicted={"compute_s": again_s + k * sum(compute_time_s(op, chosen[op.name], mesh, profile, training)
+                                                  for op in graph.nodes()),
+                   "recompute_s": again_s,
+                   "comm_s": sum(c["time_s"] * calls_per_step(c, k) for c in collectives),
                    "gradient_s": step.gradient_s, "gradient_hidden_s": step.gradient_hidden_s,
                    "total_s": step.total_s, "objective_s": solution.objective_s},
-        memory=memory_by_term(graph, chosen, mesh, training, problem.precision),
+        memory=plan_memory(graph, problem, solution, chosen, mesh, training),
         inputs=inputs,
         ilp={"groups": len(problem.groups), "edges": len(problem.edges), "fanouts": len(problem.fanouts),
              "variables": solution.variables, "constraints": solution.constraints, "ops": len(graph),
@@ -147,6 +165,8 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
         runtime={"overlap_gradients": problem.overlap_gradients, "bucket_bytes": problem.bucket_bytes,
                  "whole_outputs": whole_outputs, "precision": problem.precision},
         optimizer_sharding=optimizer,
+        recompute=[layer for r in solution.recompute for layer in problem.recompute[r].layers],
+        micro_batches=k,
         io=io_layouts(graph, chosen, mesh, whole_outputs),
     )
 

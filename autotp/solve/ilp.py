@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pulp
 
@@ -52,6 +52,8 @@ class Solution:
     status: str
     gap: float | None = None  # only when a time limit stopped the solver: (objective - bound) / objective
     solver: str = "cbc"
+    recompute: tuple[int, ...] = ()  # indices into problem.recompute: the layer classes recomputed
+    limited: bool = False  # solved under the memory limit: the fastest plan did not fit
 
 
 def _safe(name: str) -> str:
@@ -93,11 +95,45 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
         objective += _fanout_terms(lp, problem, x, y)
         if problem.chain is not None:
             objective.append(_chain_wait(lp, problem.chain, x, y))
+    r = {}
+    if problem.recompute and (minimise == "memory" or memory_limit_bytes is not None):
+        r = _recompute_terms(lp, problem, x, objective, memory)
     if memory_limit_bytes is not None:
         lp += pulp.lpSum(memory) <= memory_limit_bytes / _BYTES, "memory_limit"
     lp += pulp.lpSum(objective if minimise == "time" else memory)
     warm_start_replicated(problem, x)  # CBC starts from it only under a time limit (autotp.solve.gap)
+    x = dict(x)
+    x[_RECOMPUTE] = r
     return lp, x
+
+
+_RECOMPUTE = "__recompute__"  # the key of the recompute binaries among the choice variables
+
+
+def _recompute_terms(lp, problem: Problem, x: dict, objective: list, memory: list) -> dict:
+    """Per layer class a binary ``r``; its forward seconds again and its freed bytes (`autotp.solve.recompute`)."""
+    r, transient = {}, pulp.LpVariable("recompute_transient", lowBound=0)
+    for k, rc in enumerate(problem.recompute):
+        r[k] = pulp.LpVariable(f"recompute_{k}", cat="Binary")
+        for g, values in rc.forward_s.items():
+            most = max(values[c] for c in x[g]) * _SCALE
+            if most > 0:
+                t = pulp.LpVariable(f"recompute_s_{k}_{_safe(g)}", lowBound=0)
+                lp += t >= pulp.lpSum(values[c] * _SCALE * v for c, v in x[g].items()) - most * (1 - r[k]), \
+                    f"recompute_s_{k}_{_safe(g)}"
+                objective.append(t)
+        freed = []
+        for g, values in rc.saved_bytes.items():
+            most = max(values[c] for c in x[g]) / _BYTES
+            if most > 0:
+                z = pulp.LpVariable(f"recompute_freed_{k}_{_safe(g)}", lowBound=0)
+                lp += z <= pulp.lpSum(values[c] / _BYTES * v for c, v in x[g].items()), f"freed_{k}_{_safe(g)}"
+                lp += z <= most * r[k], f"freed_if_{k}_{_safe(g)}"
+                freed.append(z)
+        memory += [-z for z in freed]
+        lp += transient >= pulp.lpSum(freed) * (1.0 / rc.count), f"transient_{k}"
+    memory.append(transient)
+    return r
 
 
 def _use_indicator(problem: Problem, x: dict, y: dict, fanout, arm, i: int, j: int):
@@ -185,11 +221,13 @@ def _run(lp, x, time_limit_s, solver: str = "cbc") -> Solution:
     status = pulp.LpStatus[lp.status]
     if status != "Optimal":
         return Solution({}, math.inf, len(lp.variables()), len(lp.constraints), elapsed, status, solver=solver)
-    choice = {name: next(c for c, v in xs.items() if v.value() > 0.5) for name, xs in x.items()}
+    recompute = tuple(k for k, v in x.get(_RECOMPUTE, {}).items() if v.value() > 0.5)
+    choice = {name: next(c for c, v in xs.items() if v.value() > 0.5) for name, xs in x.items() if name != _RECOMPUTE}
     objective, gap = pulp.value(lp.objective), None
     if lp.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped at the time limit holding an incumbent
         gap = optimality_gap(objective, lp_relaxation_bound(lp, time_limit_s))
-    return Solution(choice, objective, len(lp.variables()), len(lp.constraints), elapsed, status, gap, solver)
+    return Solution(choice, objective, len(lp.variables()), len(lp.constraints), elapsed, status, gap, solver,
+                    recompute)
 
 
 def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_bytes: float | None = None,
@@ -206,7 +244,7 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     solver = backends.resolve(solver)
     free = _run(*_model(problem, "time", None, reduce), time_limit_s, solver)
     if memory_limit_bytes is None or (free.status == "Optimal"
-                                      and memory_bytes(problem, free.choice) <= memory_limit_bytes):
+                                      and memory_bytes(problem, free.choice, free.recompute) <= memory_limit_bytes):
         return _finish(free, time_limit_s)
     solution = _run(*_model(problem, "time", memory_limit_bytes, reduce), time_limit_s, solver)
     if solution.status == "Infeasible":
@@ -217,7 +255,7 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
         # a CBC stopped by its time limit can call a feasible problem infeasible: report the limit instead
         solution = Solution({}, math.inf, solution.variables, solution.constraints, solution.solve_s, "Not Solved",
                             solver=solver)
-    return _finish(solution, time_limit_s, free.solve_s)
+    return replace(_finish(solution, time_limit_s, free.solve_s), limited=True)
 
 
 def _finish(solution: Solution, time_limit_s, earlier_s: float = 0.0) -> Solution:
@@ -230,7 +268,7 @@ def _finish(solution: Solution, time_limit_s, earlier_s: float = 0.0) -> Solutio
     if solution.gap is not None:
         warn_gap(solution.gap, time_limit_s)
     return Solution(solution.choice, solution.objective_s / _SCALE, solution.variables, solution.constraints,
-                    solution.solve_s + earlier_s, solution.status, solution.gap, solution.solver)
+                    solution.solve_s + earlier_s, solution.status, solution.gap, solution.solver, solution.recompute)
 
 
 def _pair_variables(lp, xu: dict, xv: dict, kept, tag: str) -> dict:

@@ -35,6 +35,7 @@ from autotp.graph.opgraph import KIND_PARAM, OpGraph
 from autotp.placement import R, Shard
 from autotp.solve.chain import Chain, build_chain
 from autotp.solve.layers import Sharing, share_identical_layers
+from autotp.solve.recompute import recompute_classes
 from autotp.strategies.enumerate import OpStrategies
 
 OUTPUT = "output"  # the consumer name of a use that returns the tensor from the program
@@ -96,6 +97,8 @@ class Problem:
     sharing: Sharing = field(default_factory=Sharing)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     precision: str = AUTO  # the training precision the memory of parameters' state is counted in
+    recompute: list = field(default_factory=list)  # layer classes the ILP may recompute (`autotp.solve.recompute`)
+    micro_batches: int = 1  # forward and backward run this many times a step; gradient sums and the optimizer once
 
     def strategy(self, node: str, choice: int):
         group = self.groups[self.group_of[node]]
@@ -161,7 +164,8 @@ def deferred_parameters(graph: OpGraph, uses: dict) -> set[str]:
 
 def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, training: bool,
                   overlap_gradients: bool = True, share_layers: bool = True, whole_outputs: bool = False,
-                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision: str = AUTO) -> Problem:
+                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision: str = AUTO,
+                  recompute: bool = True, micro_batches: int = 1) -> Problem:
     """Cost every group choice, every use of every tensor, and (when overlapped) the gradient chain.
 
     With ``overlap_gradients`` (and ``training``) the gradient sums of
@@ -170,14 +174,19 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
     every output replicated (R); by default an output split by rows stays so
     and anything else is made whole (`output_layout`). With ``share_layers``
     identical layers share their choices (`autotp.solve.layers`). ``precision`` is the training precision
-    of the parameters' state (`autotp.cost.memory`).
+    of the parameters' state (`autotp.cost.memory`); with ``recompute`` (and
+    ``training``) classes of identical layers may be recomputed in backward
+    (`autotp.solve.recompute`). ``graph`` is one of ``micro_batches``
+    micro-batches of a step: its compute and collectives run that many
+    times, the bucketed gradient sums (behind the last micro-batch's backward)
+    and what follows the optimizer step once.
     """
     groups = {op.name: Group(op.name, {op.name: list(range(len(strategies.by_node[op.name])))})
               for op in graph.nodes()}
     group_of = {name: name for name in groups}
     sharing = share_identical_layers(graph, strategies, groups, group_of) if share_layers else Sharing()
     problem = Problem(groups, group_of, {}, strategies, sharing=sharing, bucket_bytes=bucket_bytes,
-                      precision=precision)
+                      precision=precision, micro_batches=micro_batches)
     for group in groups.values():
         group.cost_s, group.memory_bytes = [0.0] * group.n, [0] * group.n
     uses = uses_of(graph)
@@ -188,9 +197,11 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
     canonical = Counter((sharing.of(p), tuple((sharing.of(v) if v != OUTPUT else v, i) for v, i in u))
                         for p, u in uses.items() if u)
     for (producer, arms), count in canonical.items():
-        coster.add_uses(producer, list(arms), count)
+        coster.add_uses(producer, list(arms), count * micro_batches)
     if training and overlap_gradients:
         problem.chain = build_chain(graph, problem, deferred, coster.gradient_table, mesh, profile, training)
+    if training and recompute:
+        problem.recompute = recompute_classes(graph, problem, mesh, profile, precision)
     return problem
 
 
@@ -212,8 +223,9 @@ class _Coster:
         """``count`` ops alike to ``op``: their compute, inner collectives and memory, per group choice."""
         for c in range(group.n):
             strategy = self.problem.strategy(op.name, c)
-            group.cost_s[c] += count * (compute_time_s(op, strategy, self.mesh, self.profile, self.training)
-                                        + inner_time_s(op, strategy, self.mesh, self.profile)
+            per_micro_batch = (compute_time_s(op, strategy, self.mesh, self.profile, self.training)
+                               + inner_time_s(op, strategy, self.mesh, self.profile))
+            group.cost_s[c] += count * (self.problem.micro_batches * per_micro_batch
                                         + optimizer_time_s(op, strategy, self.mesh, self.profile))
             group.memory_bytes[c] += count * sum(node_memory_bytes(op, strategy, self.mesh, self.training,
                                                                    self.precision).values())

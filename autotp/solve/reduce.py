@@ -25,7 +25,11 @@ The bounds, per piece of the step model (`autotp.solve.problem`):
   and any other may add the new item's whole cost (and saves at least 0);
 * the gradient chain's wait (`autotp.solve.chain`) grows with every gradient
   sum and shrinks with every second of backward compute, by at most the
-  change: the bound adds the positive part of each term's change.
+  change: the bound adds the positive part of each term's change;
+* a layer class's recomputation (`autotp.solve.recompute`) adds the forward
+  seconds of the group's choice if the class is recomputed, and frees its
+  activation bytes: the bound adds the rise of the one and the fall of the
+  other (the transient only shrinks when less is freed).
 
 The criteria are what the ILP adds up: the time, and the memory per device
 when it is minimised or limited (the limit is a knapsack, so a switch may not
@@ -62,7 +66,9 @@ def reduce_problem(problem: Problem, time: bool = True, memory: bool = False,
     dominated away, so if some plan extends it, one still does after the
     reduction (a time-limited solve can start from it).
     """
-    criteria = ([_TimeBounds(problem)] if time else []) + ([_MemoryBounds(problem)] if memory else [])
+    recompute = memory and bool(problem.recompute)  # the ILP has recompute choices only when memory counts
+    criteria = ([_TimeBounds(problem, recompute)] if time else []) + ([_MemoryBounds(problem, recompute)]
+                                                                      if memory else [])
     state = _State(problem, criteria, keep or {})
     changed = True
     with np.errstate(invalid="ignore"):  # inf - inf where a choice is a dead end: see _State.base
@@ -102,7 +108,7 @@ def _switch(items: np.ndarray, cost: np.ndarray, ident: np.ndarray) -> np.ndarra
 class _TimeBounds:
     """The step time's switch bounds: exact differences, fan-out items, and the chain's positive parts."""
 
-    def __init__(self, problem: Problem):
+    def __init__(self, problem: Problem, recompute: bool = False):
         self.problem = problem
         self.node = {g: _finite(group.cost_s)[:, None] - _finite(group.cost_s)[None, :]
                      for g, group in problem.groups.items()}
@@ -110,6 +116,10 @@ class _TimeBounds:
         self._add_fanouts()
         if problem.chain is not None:
             self._add_chain()
+        if recompute:  # a recomputed class runs its forward again: the switch may add the rise of that time
+            for rc in problem.recompute:
+                for g, values in rc.forward_s.items():
+                    self.node[g] = self.node[g] + _rise(np.array(values, dtype=float))
 
     def _add_fanouts(self) -> None:
         groups = self.problem.groups
@@ -157,11 +167,15 @@ class _TimeBounds:
 
 
 class _MemoryBounds:
-    """Memory per device adds up over groups: the bound is the difference."""
+    """Memory per device adds up over groups: the bound is the difference (and what recomputing frees)."""
 
-    def __init__(self, problem: Problem):
+    def __init__(self, problem: Problem, recompute: bool = False):
         self.node = {g: _finite(group.memory_bytes)[:, None] - _finite(group.memory_bytes)[None, :]
                      for g, group in problem.groups.items()}
+        if recompute:  # a recomputed class frees bytes: the switch may add the fall of what it frees
+            for rc in problem.recompute:
+                for g, values in rc.saved_bytes.items():
+                    self.node[g] = self.node[g] + _rise(-np.array(values, dtype=float))
 
     def edge(self, e, side: int):
         return 0.0

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from autotp.solve.chain import chain_times_s
 from autotp.solve.problem import Problem
+from autotp.solve.recompute import recompute_effect
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,10 @@ def arm_item(fanout, arm, choice: dict[str, int]) -> int:
     return row[0] if arm.consumer is None or arm.consumer == fanout.producer else row[choice[arm.consumer]]
 
 
-def step_time(problem: Problem, choice: dict[str, int]) -> StepTime:
-    """The step time of ``choice`` (group leader -> choice index)."""
+def step_time(problem: Problem, choice: dict[str, int], recomputed=()) -> StepTime:
+    """The step time of ``choice`` (group leader -> choice index), the layer classes ``recomputed`` run twice."""
     exposed = sum(group.cost_s[choice[name]] for name, group in problem.groups.items())
+    exposed += recompute_effect(problem, choice, recomputed)[0]
     exposed += sum(table[choice[u]][choice[v]] for (u, v), table in problem.edges.items())
     for fanout in problem.fanouts:
         used = {arm_item(fanout, arm, choice) for arm in fanout.arms} - {-1}
@@ -48,6 +50,7 @@ def step_time(problem: Problem, choice: dict[str, int]) -> StepTime:
     return StepTime(exposed, gradient, waited)
 
 
-def memory_bytes(problem: Problem, choice: dict[str, int]) -> int:
-    """Bytes per device of ``choice``, as the ILP's memory row adds them up."""
-    return sum(group.memory_bytes[choice[name]] for name, group in problem.groups.items())
+def memory_bytes(problem: Problem, choice: dict[str, int], recomputed=()) -> int:
+    """Bytes per device of ``choice``, as the ILP's memory row adds them up (at most: `autotp.solve.recompute`)."""
+    _, freed, transient = recompute_effect(problem, choice, recomputed)
+    return sum(group.memory_bytes[choice[name]] for name, group in problem.groups.items()) - freed + transient

@@ -1,0 +1,89 @@
+"""Recomputed layers: each stretch of a layer's compute between collectives runs under activation checkpointing.
+
+A plan that recomputes a layer (``plan.recompute``, `autotp.solve.recompute`)
+keeps only what leaves each stretch of that layer's ops and recomputes the
+rest in backward. The rank program's collectives stay outside the
+checkpointed stretches, so backward never issues a collective twice and
+every rank issues the same ones in the same order; what a collective
+returns is kept, as the cost model assumes. A stretch is a maximal run of
+consecutive nodes of the layer with no collective (or any node the lowering
+added) among them:
+
+    # before: ... linear_3 -> all_reduce_tp -> add_2 -> layer_norm_1 -> linear_4 ...
+    # after:  ... recompute_model_layers_3_0(...) -> all_reduce_tp -> recompute_model_layers_3_1(...) ...
+
+Each stretch becomes a small GraphModule run by ``torch.utils.checkpoint``
+(non-reentrant, the RNG state preserved, so dropout draws the same masks
+when recomputed): the same ops on the same values, so training is exact.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from torch import fx, nn
+from torch.utils.checkpoint import checkpoint
+
+from autotp.graph.signature import layer_of
+
+
+class Recomputed(nn.Module):
+    """Runs ``inner`` under activation checkpointing: its intermediate tensors are rebuilt in backward."""
+
+    def __init__(self, inner: fx.GraphModule):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        return checkpoint(self.inner, *args, use_reentrant=False)
+
+
+def recompute_layers(gm: fx.GraphModule, graph, layers) -> int:
+    """Checkpoint the stretches of every layer in ``layers`` (module paths) in place; returns how many."""
+    wanted = set(layers)
+    if not wanted:
+        return 0
+    layer = {op.name: f"{where[0]}.{where[1]}" for op in graph.nodes() if (where := layer_of(op)) is not None}
+    stretches, run, owner = [], [], None
+    for node in gm.graph.nodes:
+        mine = layer.get(node.name) if node.op in ("call_function", "call_module") else None
+        if mine is not None and mine in wanted and (not run or mine == owner):
+            run.append(node)
+            owner = mine
+            continue
+        if run:
+            stretches.append((owner, run))
+        run, owner = ([node], mine) if mine is not None and mine in wanted else ([], None)
+    if run:
+        stretches.append((owner, run))
+    counts: dict[str, int] = {}
+    for owner, nodes in stretches:
+        k = counts[owner] = counts.get(owner, -1) + 1
+        _checkpoint(gm, nodes, f"recompute_{owner.replace('.', '_')}_{k}")
+    gm.graph.lint()
+    gm.recompile()
+    return len(stretches)
+
+
+def _checkpoint(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> None:
+    """Replace ``nodes`` (consecutive) by one call of a checkpointed module computing the same outputs."""
+    inside = set(nodes)
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+    outputs = [n for n in nodes if any(user not in inside for user in n.users)]
+    sub = fx.Graph()
+    env = {n: sub.placeholder(f"in_{i}") for i, n in enumerate(inputs)}
+    for n in nodes:
+        env[n] = sub.node_copy(n, lambda a: env[a])
+    sub.output(tuple(env[n] for n in outputs))
+    gm.add_submodule(name, Recomputed(fx.GraphModule(gm, sub)))
+    with gm.graph.inserting_before(nodes[0]):
+        call = gm.graph.call_module(name, tuple(inputs))
+        results = [gm.graph.call_function(operator.getitem, (call, k)) for k in range(len(outputs))]
+    for n, result in zip(outputs, results):
+        result.meta = dict(n.meta)
+        n.replace_all_uses_with(result, delete_user_cb=lambda user: user not in inside)
+    for n in reversed(nodes):
+        gm.graph.erase_node(n)
+
+
+__all__ = ["Recomputed", "recompute_layers"]

@@ -1,0 +1,74 @@
+"""Plans that fit: Llama-2-70B under the default memory limit, with the ILP's memory levers, and its MFU.
+
+Llama-2-70B (bf16, mixed-precision training: 18 bytes a parameter; 80
+layers, sequence 4096) on the meta device, planned with `autotp.plan`'s
+defaults (memory limit: the profile's 80 GB less 5%; optimizer state
+splitting, recomputation and micro-batches all allowed) under `h100-hgx`.
+Per case: the predicted step, the levers the plan took, memory per device by
+term, planning time, and the model FLOPs utilisation
+
+    MFU = 6 * parameters * tokens / (step * devices * 989 TFLOP/s)
+
+(the dense bf16 peak of an H100 SXM, as the issue that asked for it counts).
+
+Run: ``python benchmarks/fit_70b.py [--only 4x8-8,4x8-64,8-1]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import autotp  # noqa: E402
+import shapes  # noqa: E402
+from autotp.units import format_bytes  # noqa: E402
+
+PEAK_FLOPS = 989e12  # H100 SXM dense bf16, the MFU convention of the issue
+CASES = {  # name -> (mesh, links, global batch)
+    "4x8-8": ("4x8", "infiniband,nvlink", 8),
+    "4x8-64": ("4x8", "infiniband,nvlink", 64),
+    "8-1": ("8", "nvlink", 1),
+}
+
+
+def report(name: str) -> None:
+    mesh_shape, links, batch = CASES[name]
+    model, args, kwargs = shapes.llama2_70b(batch=batch)
+    params = sum(t.numel() for t in model.parameters())
+    mesh = autotp.Mesh(mesh_shape, links=links)
+    started = time.perf_counter()
+    print(f"\n### Llama-2-70B, mesh {mesh}, global batch {batch} x 4096")
+    try:
+        plan = autotp.plan(model, mesh, args, kwargs, profile="h100-hgx")
+    except autotp.AutotpError as exc:
+        print(f"\n{type(exc).__name__} after {time.perf_counter() - started:.1f} s: {exc}")
+        return
+    p = plan.predicted
+    tokens = batch * 4096
+    mfu = 6 * params * tokens / (p["total_s"] * mesh.size * PEAK_FLOPS)
+    print(f"\nplanned in {plan.stats['plan_s']:.1f} s; predicted step {p['total_s'] * 1e3:.1f} ms (compute "
+          f"{p['compute_s'] * 1e3:.1f} of which recompute {p['recompute_s'] * 1e3:.1f}, communication "
+          f"{p['comm_s'] * 1e3:.1f}, hidden {p['gradient_hidden_s'] * 1e3:.1f}); MFU {mfu:.1%}")
+    print(f"levers: {plan.micro_batches} micro-batches of {batch // plan.micro_batches}; "
+          f"{len(plan.recompute)} of 80 layers recomputed; optimizer state split for "
+          f"{len(plan.optimizer_sharding)} of {len(plan.parameters)} parameters "
+          f"({', '.join(sorted({'+'.join(a) for a in plan.optimizer_sharding.values()})) or 'none'})")
+    print("memory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.memory.items()))
+    layouts = sorted({(fqn.split(".")[-2], tuple(layout)) for fqn, layout in plan.parameters.items()
+                      if ".layers.0." in fqn})
+    print("layer 0 weights: " + ", ".join(f"{m} {'/'.join(l)}" for m, l in layouts))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default=",".join(CASES))
+    for name in parser.parse_args().only.split(","):
+        report(name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Micro-batches: the example batch is one optimizer step's; the planner may run it in k pieces, exactly.
+
+* Planning (the GPT test model, batch 16, mesh 4, H100 profile): without a
+  binding limit the step is one batch; under a limit that only smaller
+  micro-batches meet, the plan runs 2 of 8 rows, records k and the
+  micro-batch's inputs, pays its compute and collectives twice and the
+  gradient sums once, and its objective is still its step time. A k that
+  does not divide the batch is a clear error.
+* On 2x2 gloo, `autotp.runtime.accumulate` runs a step's batch of 16 as the
+  plan's micro-batches: under a data-parallel plan of 4 micro-batches (the
+  reducer sums once, after the last), and under the ILP's plan with every
+  lever at once (2 micro-batches, both blocks recomputed, optimizer state
+  split): every gradient matches the single device's on the whole batch,
+  and three AdamW steps give its losses, to 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+import autotp
+from autotp.errors import PlanError
+from autotp.lower import shard_tensor
+from autotp.lower.collectives import CommCounter
+from autotp.placement import parse_layout
+from autotp.report.baselines import batch_split_only
+from autotp.runtime import accumulate, shard_optimizer, spawn
+from autotp.runtime.verify import scaled_error
+from conftest import compute_bound_profile
+from helpers import split_optimizer_where_whole
+from models import GPT
+
+TOLERANCE = 1e-5
+BATCH = 16
+
+
+def _make():
+    torch.manual_seed(0)
+    model = GPT(vocab=64, hidden=32, heads=4, layers=2, seq=8)
+    return model, (torch.randint(0, 64, (BATCH, 8)), torch.randint(0, 64, (BATCH, 8)))
+
+
+def test_micro_batches_are_planned_when_memory_needs_them():
+    model, inputs = _make()
+    mesh = autotp.Mesh("4", links="nvlink")
+    free = autotp.plan(model, mesh, inputs, profile="h100-hgx")
+    assert free.micro_batches == 1
+    tight = autotp.plan(model, mesh, inputs, profile="h100-hgx", memory_limit=int(free.memory["total"] * 0.15))
+    assert tight.micro_batches == 2 and tight.inputs["args"][0]["shape"] == [8, 8]
+    assert tight.memory["total"] <= free.memory["total"] * 0.15
+    p = tight.predicted
+    assert p["objective_s"] == pytest.approx(p["total_s"], rel=1e-9)
+    assert p["compute_s"] + p["comm_s"] - p["gradient_hidden_s"] == pytest.approx(p["total_s"], rel=1e-9)
+    assert autotp.Plan.from_dict(tight.to_dict()).micro_batches == 2
+    two = autotp.plan(model, mesh, inputs, profile="h100-hgx", micro_batches=2, recompute=False,
+                      optimizer_sharding=False)
+    assert two.micro_batches == 2 and two.predicted["total_s"] > free.predicted["total_s"]
+    with pytest.raises(PlanError, match="a batch of 16 does not split into 3 micro-batches.*1, 2, 4, 8, 16"):
+        autotp.plan(model, mesh, inputs, profile="h100-hgx", micro_batches=3)
+
+
+def _plans(mesh) -> dict:
+    model, inputs = _make()
+    profile = compute_bound_profile()
+    split = split_optimizer_where_whole(mesh.shape)
+    data_parallel = autotp.plan(model, mesh, inputs, profile=profile, micro_batches=4,
+                                allow=lambda op, s: batch_split_only(BATCH // 4)(op, replace(s, optimizer_axes=())))
+    combined = autotp.plan(model, mesh, inputs, profile=profile, micro_batches=2, allow=split)
+    combined.recompute = ["blocks.0", "blocks.1"]  # the lowering checkpoints whatever the plan names
+    return {"data_parallel": data_parallel, "combined": combined}
+
+
+def _run(rank, world, plans):
+    out = {}
+    for name, plan in plans.items():
+        model, inputs = _make()
+        reference = copy.deepcopy(model)
+        counter = CommCounter()
+        local = autotp.parallelize(model, plan, counter=counter)
+        want = reference(*inputs)
+        want.backward()
+        got = accumulate(local, plan, *inputs)
+        coords, shape, ref = plan.mesh.coords(rank), plan.mesh.shape, dict(reference.named_parameters())
+        gradient = max(scaled_error(p.grad, shard_tensor(ref[n].grad, parse_layout(plan.parameters[n]), shape, coords))
+                       for n, p in local.named_parameters())
+        reducer = local.autotp_reducer
+        sums = sum(len(b.unit) for b in reducer.buckets) if reducer is not None else 0
+        calls = counter.count
+        optimizers = [torch.optim.AdamW(reference.parameters(), lr=1e-2), shard_optimizer(local, torch.optim.AdamW,
+                                                                                          lr=1e-2)]
+        losses = [(float(want), float(got))]
+        for step in range(3):
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+            torch.manual_seed(100 + step)
+            batch = (torch.randint(0, 64, (BATCH, 8)), torch.randint(0, 64, (BATCH, 8)))
+            want = reference(*batch)
+            want.backward()
+            losses.append((float(want), float(accumulate(local, plan, *batch))))
+        out[name] = {"gradient": gradient, "losses": losses, "calls": calls, "sums": sums,
+                     "split": len(local.autotp_optimizer_shards),
+                     "recomputed": sum(1 for n, _ in local.named_children() if n.startswith("recompute_"))}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    mesh = autotp.Mesh("2x2")
+    plans = _plans(mesh)
+    return plans, spawn(_run, mesh.size, plans)
+
+
+def test_a_step_of_micro_batches_matches_the_whole_batch_on_one_device(results):
+    plans, per_rank = results
+    dp, combined = plans["data_parallel"], plans["combined"]
+    assert dp.micro_batches == 4 and dp.inputs["args"][0]["shape"] == [4, 8]
+    assert combined.micro_batches == 2 and combined.optimizer_sharding
+    for rank, by_plan in enumerate(per_rank):
+        for name, e in by_plan.items():
+            where = f"{name}, rank {rank}"
+            assert e["gradient"] <= TOLERANCE, f"{where}: gradient error {e['gradient']:.2e}"
+            for step, (want, got) in enumerate(e["losses"]):
+                assert abs(want - got) <= TOLERANCE * max(1.0, abs(want)), f"{where}: step {step}: {got} != {want}"
+        # the data-parallel plan's gradient sums ran once in the step, after the last of its 4 micro-batches:
+        # every other collective of the program ran once per micro-batch
+        e, k = by_plan["data_parallel"], dp.micro_batches
+        in_graph = sum(1 for c in dp.collectives if not c.get("bucketed") and c["phase"] != "step")
+        assert e["sums"] > 0 and e["calls"] == k * in_graph + e["sums"], (e, in_graph)
+        assert by_plan["combined"]["split"] > 0 and by_plan["combined"]["recomputed"] >= 2

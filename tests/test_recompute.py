@@ -1,0 +1,155 @@
+"""Activation recomputation as an ILP choice: chosen when memory binds, costed, lowered exactly.
+
+* Planning (the GPT test model on the meta device, mesh 4, H100 profile):
+  under a limit no plan of one batch a step meets without it, the ILP
+  recomputes the blocks;
+  its step pays their forward compute again (``predicted["recompute_s"]``,
+  in ``compute_s``), the objective is still the step time, and the memory
+  fits; without the lever the same limit is a `MemoryLimitError` that says
+  which levers it tried.
+* Lowering (2 gloo ranks): a model with dropout, under the ILP's plan and
+  under Megatron's split (collectives inside the blocks, so each block is
+  checkpointed in several stretches): with dropout off, outputs and every
+  gradient match the single device; with dropout on, the recomputed program
+  gives exactly what the same program without recomputation gives (the
+  masks are drawn again alike).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import autotp
+from autotp.errors import MemoryLimitError
+from autotp.lower import shard_tensor
+from autotp.placement import parse_layout
+from autotp.runtime import spawn
+from autotp.runtime.verify import scaled_error
+from conftest import compute_bound_profile
+from helpers import make_model
+
+TOLERANCE = 1e-5
+
+
+def test_the_ilp_recomputes_layers_only_when_memory_needs_it():
+    model, inputs = make_model("gpt")
+    mesh = autotp.Mesh("4", links="nvlink")
+    free = autotp.plan(model, mesh, inputs, profile="h100-hgx")
+    assert free.recompute == [] and free.predicted["recompute_s"] == 0.0
+    limit = int(free.memory["total"] * 0.25)
+    with pytest.raises(MemoryLimitError, match=r"optimizer state split .*smallest any plan reaches"):
+        autotp.plan(model, mesh, inputs, profile="h100-hgx", memory_limit=limit, recompute=False, micro_batches=1)
+    tight = autotp.plan(model, mesh, inputs, profile="h100-hgx", memory_limit=limit, micro_batches=1)
+    assert tight.recompute == ["blocks.0", "blocks.1"]
+    assert tight.memory["total"] <= limit
+    p = tight.predicted
+    assert p["recompute_s"] > 0
+    assert p["objective_s"] == pytest.approx(p["total_s"], rel=1e-9)
+    assert p["compute_s"] + p["comm_s"] - p["gradient_hidden_s"] == pytest.approx(p["total_s"], rel=1e-9)
+    assert "recomputed in backward: blocks.* ×2" in tight.summary()
+    assert autotp.Plan.from_dict(tight.to_dict()).recompute == tight.recompute
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, p: float):
+        super().__init__()
+        self.ln = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.drop(self.down(F.gelu(self.up(self.ln(x)))))
+
+
+class DropoutNet(nn.Module):
+    """Two residual MLP blocks with dropout in an ``nn.ModuleList``, and a loss."""
+
+    def __init__(self, p: float, vocab: int = 32, hidden: int = 16):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, p) for _ in range(2))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, idx, targets):
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def _make(p: float):
+    torch.manual_seed(0)
+    return DropoutNet(p), (torch.randint(0, 32, (4, 6)), torch.randint(0, 32, (4, 6)))
+
+
+def _plans(mesh) -> dict:
+    model, inputs = _make(0.0)
+    plans = {"ilp": autotp.plan(model, mesh, inputs, profile=compute_bound_profile()),
+             "megatron": autotp.plan(model, mesh, inputs, profile="h100-hgx",
+                                     pin={f"blocks.{i}.{name}.{kind}": placement for i in range(2)
+                                          for name, kind, placement in (("up", "weight", ("S(0)",)),
+                                                                        ("up", "bias", ("S(0)",)),
+                                                                        ("down", "weight", ("S(1)",)))})}
+    for plan in plans.values():
+        plan.recompute = ["blocks.0", "blocks.1"]  # the lowering checkpoints whatever the plan names
+    return plans
+
+
+def _grads(module) -> dict:
+    return {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def _run(rank, world, plans):
+    out = {}
+    for name, plan in plans.items():
+        model, inputs = _make(0.0)
+        reference = _make(0.0)[0]
+        local = autotp.parallelize(model, plan)
+        want, got = reference(*inputs), local(*inputs)
+        want.backward()
+        got.backward()
+        coords, shape, ref = plan.mesh.coords(rank), plan.mesh.shape, dict(reference.named_parameters())
+        gradient = max(scaled_error(p.grad, shard_tensor(ref[n].grad, parse_layout(plan.parameters[n]), shape, coords))
+                       for n, p in local.named_parameters())
+        stretches = sum(1 for n, _ in local.named_children() if n.startswith("recompute_"))
+        # with dropout: the same rank program with and without recomputation, from the same seed
+        dropped = []
+        for layers in (plan.recompute, []):
+            noisy = autotp.parallelize(_make(0.3)[0], type(plan).from_dict({**plan.to_dict(), "recompute": layers}))
+            torch.manual_seed(7)
+            loss = noisy(*inputs)
+            loss.backward()
+            dropped.append((loss.detach(), _grads(noisy)))
+        same = torch.equal(dropped[0][0], dropped[1][0]) and all(
+            torch.equal(dropped[0][1][n], g) for n, g in dropped[1][1].items())
+        out[name] = {"output": scaled_error(got, want), "gradient": gradient, "stretches": stretches,
+                     "grads": len(dropped[0][1]), "same_with_dropout": same,
+                     "dropout_drew": abs(float(dropped[0][0]) - float(got)) > 1e-3}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    mesh = autotp.Mesh("2")
+    plans = _plans(mesh)
+    return plans, spawn(_run, mesh.size, plans)
+
+
+def test_recomputed_layers_are_exact_and_draw_the_same_dropout_masks(results):
+    plans, per_rank = results
+    assert any(node.out != ("R",) for node in plans["ilp"].nodes.values())  # the plans really split
+    assert plans["megatron"].parameters["blocks.0.up.weight"] == ("S(0)",)
+    for rank, by_plan in enumerate(per_rank):
+        for name, e in by_plan.items():
+            where = f"{name}, rank {rank}"
+            assert e["output"] <= TOLERANCE, f"{where}: output error {e['output']:.2e}"
+            assert e["gradient"] <= TOLERANCE, f"{where}: gradient error {e['gradient']:.2e}"
+            assert e["same_with_dropout"], f"{where}: recomputation changed a dropout mask"
+            assert e["dropout_drew"], f"{where}: dropout did not change the loss: the check proves nothing"
+            assert e["grads"] == len(plans[name].parameters)
+        # a block's collectives stay outside the checkpointed stretches: Megatron's all-reduce cuts each block
+        assert by_plan["megatron"]["stretches"] > by_plan["ilp"]["stretches"] >= 2, by_plan
