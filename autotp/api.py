@@ -22,7 +22,7 @@ from autotp.report.scopes import node_scopes
 from autotp.runtime.groups import mesh_groups
 from autotp.solve.assemble import assemble_plan, chosen_strategies, plan_memory
 from autotp.solve.constraints import apply_constraints
-from autotp.solve.ilp import MemoryInfeasible, solve
+from autotp.solve.ilp import MemoryInfeasible, NoBetterPlan, solve
 from autotp.solve.plan import Plan
 from autotp.solve.problem import build_problem
 from autotp.strategies import default_registry, enumerate_strategies
@@ -116,10 +116,13 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
         args, kwargs = micro_batch(example_inputs, example_kwargs, k)
         captured = capture_model(model, args, kwargs, replay_layers, stages)
         try:
-            result = plan_captured(captured, mesh, micro_batches=k, progress=stages, **options)
+            result = plan_captured(captured, mesh, micro_batches=k, progress=stages,
+                                   beat_s=best.predicted["total_s"] if best else None, **options)
         except MemoryLimitError as exc:
             failure = exc  # fewer tokens per micro-batch may fit: try the next k
             continue
+        except NoBetterPlan:
+            break  # even unlimited, k micro-batches are slower than the best plan: more would be slower still
         if best is None or result.predicted["total_s"] < best.predicted["total_s"]:
             best = result
         if not result.stats["memory_bound"]:
@@ -170,8 +173,13 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
                   allow=None, registry=None, time_limit_s=None, memory_limit=AUTO, overlap_gradients: bool = True,
                   bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True,
                   solver: str = "auto", precision: str = AUTO, optimizer_sharding: bool = True,
-                  recompute: bool = True, micro_batches: int = 1, progress: Stages | None = None) -> Plan:
-    """Stages 2 to 5 of `plan` on a captured model: strategies, costs, the ILP, the `Plan`."""
+                  recompute: bool = True, micro_batches: int = 1, beat_s: float | None = None,
+                  progress: Stages | None = None) -> Plan:
+    """Stages 2 to 5 of `plan` on a captured model: strategies, costs, the ILP, the `Plan`.
+
+    ``beat_s``: raise `NoBetterPlan` as soon as the fastest plan, even without
+    the memory limit, is no faster (the micro-batch search of `plan`).
+    """
     started, stages = time.perf_counter(), stages_or_silent(progress)
     mesh, profile, graph = as_mesh(mesh), load_profile(profile), captured.graph
     precision = check_precision(precision)
@@ -188,7 +196,7 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
              else parse_bytes(memory_limit) if memory_limit is not None else None)
     with stages.stage("solving ILP") as stage:
         try:
-            solution = solve(problem, time_limit_s, limit, solver)
+            solution = solve(problem, time_limit_s, limit, solver, beat_s=beat_s)
         except MemoryInfeasible as exc:
             raise memory_limit_error(graph, problem, exc.smallest, mesh, training, limit) from None
         stage.detail = f"{solution.variables:,} variables"
@@ -219,7 +227,8 @@ def replays_layers(plan: Plan) -> bool:
 _HINTS = {
     "parameters": "split the model over more devices (a larger tensor-parallel axis)",
     "gradients": "split the model over more devices (a larger tensor-parallel axis)",
-    "optimizer": "split the model over more devices, or allow optimizer_sharding (ZeRO-1) over data-parallel devices",
+    "optimizer": "split the model over more devices (with optimizer_sharding, a data-parallel axis splits the "
+                 "optimizer state too)",
     "activations": "use a smaller batch or sequence per step",
     "buffers": "split the model over more devices",
 }

@@ -6,10 +6,11 @@
 - GPT-3-175B (96 layers, hidden 12288) on 8x8 with an 80 GB limit per device.
 
 Every plan prices data parallelism's gradient sums in buckets behind the
-backward pass (the default). The Llama plans are made without a memory limit
-(``memory_limit=None``): with Adam's state replicated they do not fit 80 GB,
-and the default limit says so (``MemoryLimitError``, printed instead of a plan
-when ``--limit auto`` is given).
+backward pass (the default) and counts memory as mixed-precision training
+keeps it (18 bytes a parameter). The Llama plans are made without a memory
+limit (``memory_limit=None``); ``--limit auto`` gives every case the default
+limit (80 GB less 5%), under which the ILP may split optimizer state, recompute
+layers and run micro-batches, or says why nothing fits (``MemoryLimitError``).
 
 Per plan: the placement of each layer parameter on each axis (identical layers
 folded into one row), the predicted step time split into compute and
@@ -59,6 +60,8 @@ def report(name: str, solver: str = "auto", limit=None) -> None:
     print(f"\npredicted step: {p['total_s'] * 1e3:.1f} ms = compute {p['compute_s'] * 1e3:.1f} ms + "
           f"communication {p['comm_s'] * 1e3:.1f} ms - {p['gradient_hidden_s'] * 1e3:.1f} ms of gradient sums "
           f"hidden behind the backward pass (ILP objective {p['objective_s'] * 1e3:.1f} ms)")
+    print(f"\nmemory levers: {plan.micro_batches} micro-batch(es) a step, {len(plan.recompute)} layers recomputed, "
+          f"optimizer state split for {len(plan.optimizer_sharding)} of {len(plan.parameters)} parameters")
     print("\nmemory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()))
     print(f"\n| parameter | {' | '.join(mesh.names)} | layers |")
     print("|---|" + "---|" * len(mesh.names) + "---|")

@@ -24,14 +24,11 @@ import torch
 
 import autotp
 from autotp.errors import PlanError
-from autotp.lower import shard_tensor
 from autotp.lower.collectives import CommCounter
-from autotp.placement import parse_layout
 from autotp.report.baselines import batch_split_only
 from autotp.runtime import accumulate, shard_optimizer, spawn
-from autotp.runtime.verify import scaled_error
 from conftest import compute_bound_profile
-from helpers import split_optimizer_where_whole
+from helpers import recomputed_stretches, split_optimizer_where_whole, worst_gradient_error
 from models import GPT
 
 TOLERANCE = 1e-5
@@ -84,9 +81,7 @@ def _run(rank, world, plans):
         want = reference(*inputs)
         want.backward()
         got = accumulate(local, plan, *inputs)
-        coords, shape, ref = plan.mesh.coords(rank), plan.mesh.shape, dict(reference.named_parameters())
-        gradient = max(scaled_error(p.grad, shard_tensor(ref[n].grad, parse_layout(plan.parameters[n]), shape, coords))
-                       for n, p in local.named_parameters())
+        gradient = worst_gradient_error(local, reference, plan, rank)
         reducer = local.autotp_reducer
         sums = sum(len(b.unit) for b in reducer.buckets) if reducer is not None else 0
         calls = counter.count
@@ -104,7 +99,7 @@ def _run(rank, world, plans):
             losses.append((float(want), float(accumulate(local, plan, *batch))))
         out[name] = {"gradient": gradient, "losses": losses, "calls": calls, "sums": sums,
                      "split": len(local.autotp_optimizer_shards),
-                     "recomputed": sum(1 for n, _ in local.named_children() if n.startswith("recompute_"))}
+                     "recomputed": recomputed_stretches(local)}
     return out
 
 

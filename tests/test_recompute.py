@@ -24,12 +24,10 @@ from torch.nn import functional as F
 
 import autotp
 from autotp.errors import MemoryLimitError
-from autotp.lower import shard_tensor
-from autotp.placement import parse_layout
 from autotp.runtime import spawn
 from autotp.runtime.verify import scaled_error
 from conftest import compute_bound_profile
-from helpers import make_model
+from helpers import make_model, recomputed_stretches, worst_gradient_error
 
 TOLERANCE = 1e-5
 
@@ -112,10 +110,8 @@ def _run(rank, world, plans):
         want, got = reference(*inputs), local(*inputs)
         want.backward()
         got.backward()
-        coords, shape, ref = plan.mesh.coords(rank), plan.mesh.shape, dict(reference.named_parameters())
-        gradient = max(scaled_error(p.grad, shard_tensor(ref[n].grad, parse_layout(plan.parameters[n]), shape, coords))
-                       for n, p in local.named_parameters())
-        stretches = sum(1 for n, _ in local.named_children() if n.startswith("recompute_"))
+        gradient = worst_gradient_error(local, reference, plan, rank)
+        stretches = recomputed_stretches(local)
         # with dropout: the same rank program with and without recomputation, from the same seed
         dropped = []
         for layers in (plan.recompute, []):

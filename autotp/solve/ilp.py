@@ -230,8 +230,12 @@ def _run(lp, x, time_limit_s, solver: str = "cbc") -> Solution:
                     recompute)
 
 
+class NoBetterPlan(Exception):
+    """Even without the memory limit this problem's fastest plan is no faster than ``beat_s``."""
+
+
 def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_bytes: float | None = None,
-          solver: str = "auto", reduce: bool = True) -> Solution:
+          solver: str = "auto", reduce: bool = True, beat_s: float | None = None) -> Solution:
     """Pick one strategy per group minimising the predicted step time, within the memory limit.
 
     ``solver`` is ``"auto"``, ``"cbc"`` or ``"highs"`` (`autotp.solve.backends`).
@@ -239,10 +243,14 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     same optimum from a larger ILP, for tests and comparisons. A memory limit
     that the fastest plan meets changes nothing, so the knapsack row is added
     only when that plan does not fit (then a second solve, under the limit).
-    Raises `MemoryInfeasible` carrying the least-memory plan when nothing fits.
+    Raises `MemoryInfeasible` carrying the least-memory plan when nothing fits,
+    and `NoBetterPlan` when the fastest plan, limit or not, is no faster than
+    ``beat_s`` (a plan found another way: the limited solve is not needed).
     """
     solver = backends.resolve(solver)
     free = _run(*_model(problem, "time", None, reduce), time_limit_s, solver)
+    if beat_s is not None and free.status == "Optimal" and free.objective_s / _SCALE >= beat_s:
+        raise NoBetterPlan(f"{free.objective_s / _SCALE:.6g} s >= {beat_s:.6g} s")
     if memory_limit_bytes is None or (free.status == "Optimal"
                                       and memory_bytes(problem, free.choice, free.recompute) <= memory_limit_bytes):
         return _finish(free, time_limit_s)
