@@ -194,10 +194,18 @@ def load_sharded(directory, module, optimizer, plan, rank: int) -> int:
 def _load_optimizer(optimizer, saved: dict, params: dict) -> None:
     """Rebuild the positional ``state_dict`` the optimizer expects from the state saved by name."""
     current = optimizer.state_dict()
-    position = {}
+    position, shape_of = {}, {}
     for group, ids in zip(optimizer.param_groups, current["param_groups"]):
         position.update({id(_owner(p)): i for p, i in zip(group["params"], ids["params"])})
+        shape_of.update({id(_owner(p)): p.shape for p in group["params"]})
     index_of = {name: position[id(p)] for name, (_, p) in params.items() if id(p) in position}
+    for name, state in saved["state"].items():
+        want = shape_of.get(id(params[name][1])) if name in params else None
+        got = next((v.shape for v in state.values() if torch.is_tensor(v) and v.dim()), want)
+        if want is not None and got != want:
+            raise CheckpointError(f"the optimizer state of {name!r} was saved with shape {list(got)}, this optimizer "
+                                  f"steps {list(want)}: resume with the same kind of optimizer (shard_optimizer or "
+                                  "a plain one) it was saved with")
     groups = [{**g, "params": [index_of[n] for n in g["params"]]} for g in saved["groups"]]
     state = {index_of[name]: s for name, s in saved["state"].items()}
     optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 
 import autotp
 from autotp.errors import MemoryLimitError
+from autotp.lower.collectives import CommCounter
 from autotp.runtime import spawn
 from autotp.runtime.verify import scaled_error
 from conftest import compute_bound_profile
@@ -113,17 +114,20 @@ def _run(rank, world, plans):
         gradient = worst_gradient_error(local, reference, plan, rank)
         stretches = recomputed_stretches(local)
         # with dropout: the same rank program with and without recomputation, from the same seed
-        dropped = []
+        dropped, issued = [], []
         for layers in (plan.recompute, []):
-            noisy = autotp.parallelize(_make(0.3)[0], type(plan).from_dict({**plan.to_dict(), "recompute": layers}))
+            counter = CommCounter()
+            noisy = autotp.parallelize(_make(0.3)[0], type(plan).from_dict({**plan.to_dict(), "recompute": layers}),
+                                       counter=counter)
             torch.manual_seed(7)
             loss = noisy(*inputs)
             loss.backward()
             dropped.append((loss.detach(), _grads(noisy)))
+            issued.append(counter.count)
         same = torch.equal(dropped[0][0], dropped[1][0]) and all(
             torch.equal(dropped[0][1][n], g) for n, g in dropped[1][1].items())
         out[name] = {"output": scaled_error(got, want), "gradient": gradient, "stretches": stretches,
-                     "grads": len(dropped[0][1]), "same_with_dropout": same,
+                     "grads": len(dropped[0][1]), "same_with_dropout": same, "collectives": issued,
                      "dropout_drew": abs(float(dropped[0][0]) - float(got)) > 1e-3}
     return out
 
@@ -145,6 +149,8 @@ def test_recomputed_layers_are_exact_and_draw_the_same_dropout_masks(results):
             assert e["output"] <= TOLERANCE, f"{where}: output error {e['output']:.2e}"
             assert e["gradient"] <= TOLERANCE, f"{where}: gradient error {e['gradient']:.2e}"
             assert e["same_with_dropout"], f"{where}: recomputation changed a dropout mask"
+            # no collective runs again in backward: each stretch holds ATen ops only
+            assert e["collectives"][0] == e["collectives"][1] > 0, f"{where}: {e['collectives']}"
             assert e["dropout_drew"], f"{where}: dropout did not change the loss: the check proves nothing"
             assert e["grads"] == len(plans[name].parameters)
         # a block's collectives stay outside the checkpointed stretches: Megatron's all-reduce cuts each block

@@ -24,8 +24,13 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def micro_batch(args: tuple, kwargs: dict, k: int, index: int = 0, batch: int | None = None) -> tuple[tuple, dict]:
-    """Micro-batch ``index`` of ``k``: every tensor whose dim 0 is ``batch`` (by default the batch) cut to 1/k."""
+def micro_batch(args: tuple, kwargs: dict, k: int, index: int = 0, batch: int | None = None,
+                leaves: bool = True) -> tuple[tuple, dict]:
+    """Micro-batch ``index`` of ``k``: every tensor whose dim 0 is ``batch`` (by default the batch) cut to 1/k.
+
+    ``leaves``: each piece a new leaf tensor (example inputs to capture);
+    else a view, through which gradients reach the caller's tensors.
+    """
     if k == 1:
         return tuple(args), dict(kwargs)
     batch = batch_size(args, kwargs) if batch is None else batch
@@ -34,6 +39,8 @@ def micro_batch(args: tuple, kwargs: dict, k: int, index: int = 0, batch: int | 
     def cut(value):
         if not (isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch):
             return value
+        if not leaves:
+            return value[index * size:(index + 1) * size]
         piece = value.detach()[index * size:(index + 1) * size].clone()
         return piece.requires_grad_() if value.requires_grad else piece
 

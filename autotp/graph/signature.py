@@ -24,6 +24,12 @@ def op_signature(op: OpNode) -> tuple:
             op.requires_grad, len(op.inputs))
 
 
+def layer_path(op: OpNode) -> str | None:
+    """``"model.layers.3"``: the module path of the layer an op belongs to (`layer_of`), or None."""
+    where = layer_of(op)
+    return None if where is None else f"{where[0]}.{where[1]}"
+
+
 def layer_of(op: OpNode) -> tuple[str, int] | None:
     """``("model.layers", 3)`` for an op or parameter of ``model.layers.3``; None outside a layer list.
 

@@ -5,9 +5,11 @@ keeps only what leaves each stretch of that layer's ops and recomputes the
 rest in backward. The rank program's collectives stay outside the
 checkpointed stretches, so backward never issues a collective twice and
 every rank issues the same ones in the same order; what a collective
-returns is kept, as the cost model assumes. A stretch is a maximal run of
-consecutive nodes of the layer with no collective (or any node the lowering
-added) among them:
+returns is kept (the cost model keeps a partial sum, the input of such an
+all-reduce, in its place: `autotp.solve.recompute`). A stretch is a maximal
+run of consecutive ATen ops of the layer: a module call (a collective, an
+op's own implementation such as a vocabulary-parallel loss, which may hold
+collectives) or any node the lowering added ends it:
 
     # before: ... linear_3 -> all_reduce_tp -> add_2 -> layer_norm_1 -> linear_4 ...
     # after:  ... recompute_model_layers_3_0(...) -> all_reduce_tp -> recompute_model_layers_3_1(...) ...
@@ -24,7 +26,7 @@ import operator
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from autotp.graph.signature import layer_of
+from autotp.graph.signature import layer_path
 
 
 class Recomputed(nn.Module):
@@ -43,10 +45,10 @@ def recompute_layers(gm: fx.GraphModule, graph, layers) -> int:
     wanted = set(layers)
     if not wanted:
         return 0
-    layer = {op.name: f"{where[0]}.{where[1]}" for op in graph.nodes() if (where := layer_of(op)) is not None}
+    layer = {op.name: path for op in graph.nodes() if (path := layer_path(op)) is not None}
     stretches, run, owner = [], [], None
-    for node in gm.graph.nodes:
-        mine = layer.get(node.name) if node.op in ("call_function", "call_module") else None
+    for node in gm.graph.nodes:  # a module call (a collective, or an op's own implementation) ends a stretch
+        mine = layer.get(node.name) if node.op == "call_function" else None
         if mine is not None and mine in wanted and (not run or mine == owner):
             run.append(node)
             owner = mine

@@ -256,3 +256,8 @@ class GradientReducer:
         self._task = None
         for bucket in self.buckets:
             bucket.finish()
+        if self._unsynced:  # a parameter with gradients from no_sync passes got none in this one: never summed
+            names = len(self._unsynced)
+            self._unsynced.clear()
+            raise RuntimeError(f"{names} parameter(s) got gradients in no_sync passes but none in the backward pass "
+                               "that sums them: every micro-batch must differentiate the same outputs")

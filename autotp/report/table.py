@@ -54,12 +54,14 @@ def collective_lines(plan) -> list[str]:
     if not items:
         return ["  none"]
     rows = collapse(items)
-    total = lambda phase: sum(c["time_s"] for c in plan.collectives if c["phase"] == phase)  # noqa: E731
+    calls = lambda c: 1 if c["phase"] == "step" or c.get("bucketed") else plan.micro_batches  # noqa: E731
+    total = lambda phase: sum(c["time_s"] * calls(c) for c in plan.collectives if c["phase"] == phase)  # noqa: E731
     lines = align(["where", "phase", "collective", "axis", "bytes", "time each", ""],
                   [[r.name, *r.values, _count(r.count)] for r in rows], left=4)
     step = f", after the optimizer step {format_seconds(total('step'))}" if total("step") else ""
-    return lines + [f"total: forward {format_seconds(total('forward'))}, backward {format_seconds(total('backward'))}"
-                    + step]
+    per = f" a step of {plan.micro_batches} micro-batches" if plan.micro_batches > 1 else ""
+    return lines + [f"total{per}: forward {format_seconds(total('forward'))}, backward "
+                    f"{format_seconds(total('backward'))}" + step]
 
 
 def exposed_comm_s(plan) -> float:

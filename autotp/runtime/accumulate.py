@@ -43,7 +43,7 @@ def accumulate(local, plan, *args, loss_fn=None, **kwargs) -> torch.Tensor:
     for index in range(k):
         quiet = reducer is not None and index < k - 1
         with reducer.no_sync() if quiet else nullcontext():
-            piece_args, piece_kwargs = micro_batch(args, kwargs, k, index, batch)
+            piece_args, piece_kwargs = micro_batch(args, kwargs, k, index, batch, leaves=False)
             loss = _loss(local(*piece_args, **piece_kwargs), loss_fn)
             (loss / k).backward()
         total = total + loss.detach().to(total.dtype) / k

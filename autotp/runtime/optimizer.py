@@ -55,7 +55,9 @@ class _Slice:
     def take_gradient(self) -> None:
         """The slice's gradient from the parameter's; the parameter's is freed."""
         grad = self.param.grad
-        self.shard.grad = None if grad is None else grad.reshape(-1)[self.start:self.stop].to(self.shard.dtype)
+        # a copy, not a view: the whole gradient's memory goes with .grad (and holds the all-gather that follows)
+        self.shard.grad = None if grad is None else grad.reshape(-1)[self.start:self.stop].to(self.shard.dtype,
+                                                                                             copy=True)
         self.param.grad = None
 
     def start_gather(self):

@@ -10,7 +10,11 @@ recomputed:
 * costs the forward compute of its ops once more (the collectives between
   them are not re-run: the lowering checkpoints the stretches of compute
   between collectives, and a collective's output is kept);
-* frees the activation bytes of every op but the layer's outputs;
+* frees the activation bytes of every op but the layer's outputs and the
+  partial sums it all-reduces (the lowering cuts the layer at each
+  collective and keeps what a collective returns; a partial sum's all-reduce
+  returns a tensor of its size. Other collectives' outputs, an all-gather's,
+  are not counted, as nowhere in the memory model);
 * needs, while one layer is rebuilt, that one layer's activations back: the
   step's memory holds the largest such transient of any recomputed class.
 
@@ -33,6 +37,7 @@ from autotp.cost.compute import forward_time_s
 from autotp.cost.memory import node_memory_bytes
 from autotp.graph.flops import is_alias
 from autotp.graph.opgraph import KIND_OP
+from autotp.placement import Partial
 from autotp.solve.layers import layer_nodes
 from autotp.strategies.inplace import INPLACE_UPDATES
 
@@ -59,7 +64,7 @@ def recompute_classes(graph, problem, mesh, profile, precision: str) -> list[Rec
         template = layers[members[0]]
         if any(_updates_in_place(graph.node(name)) for m in members for name in layers[m]):
             continue
-        rc = Recompute([f"{path}.{index}" for path, index in members])
+        rc = Recompute([f"{path}.{index}" for path, index in members])  # as `layer_path` names them
         inside = set(template)
         for name in template:
             op = graph.node(name)
@@ -72,11 +77,16 @@ def recompute_classes(graph, problem, mesh, profile, precision: str) -> list[Rec
             for c in range(group.n):
                 strategy = problem.strategy(name, c)
                 forward[c] += rc.count * problem.micro_batches * forward_time_s(op, strategy, mesh, profile)
-                if not leaves:
+                if not (leaves or _summed_after(strategy, mesh)):
                     saved[c] += rc.count * node_memory_bytes(op, strategy, mesh, True, precision).get("activations", 0)
         if any(any(v) for v in rc.saved_bytes.values()):
             out.append(rc)
     return out
+
+
+def _summed_after(strategy, mesh) -> bool:
+    """A partial sum (P) is all-reduced before use: the lowering keeps the sum, of the same size, for backward."""
+    return any(isinstance(p, Partial) and mesh.shape[a] > 1 for a, p in enumerate(strategy.out))
 
 
 def _updates_in_place(op) -> bool:
@@ -91,5 +101,5 @@ def recompute_effect(problem, choice: dict[str, int], recomputed) -> tuple[float
         seconds += sum(values[choice[g]] for g, values in rc.forward_s.items())
         saved = sum(values[choice[g]] for g, values in rc.saved_bytes.items())
         freed += saved
-        transient = max(transient, -(-saved // rc.count))
+        transient = max(transient, saved // rc.count)  # the ILP's row divides exactly; never above it
     return seconds, freed, transient

@@ -29,7 +29,8 @@ The bounds, per piece of the step model (`autotp.solve.problem`):
 * a layer class's recomputation (`autotp.solve.recompute`) adds the forward
   seconds of the group's choice if the class is recomputed, and frees its
   activation bytes: the bound adds the rise of the one and the fall of the
-  other (the transient only shrinks when less is freed).
+  other (freeing more raises the transient by at most 1/layers of it, so
+  that never adds memory).
 
 The criteria are what the ILP adds up: the time, and the memory per device
 when it is minimised or limited (the limit is a knapsack, so a switch may not
