@@ -3,9 +3,12 @@
 Small random problems carry every piece of the step model (`autotp.solve.problem`):
 choices with infinite costs, edge tables with impossible pairs, fan-outs whose
 items are paid once however many uses need them (uses inside one group, uses
-with no consumer, uses from single-choice groups), and a gradient chain with
-repeated blocks (`autotp.solve.chain`). Values come from a few levels, so ties
-abound. Every plan is enumerated and priced by `autotp.solve.step`:
+with no consumer, uses from single-choice groups), a gradient chain with
+repeated blocks (`autotp.solve.chain`), and layer classes that may be
+recomputed (`autotp.solve.recompute`: forward seconds again, bytes freed,
+one layer's transient). Values come from a few levels, so ties abound.
+Every plan, each class recomputed or not, is enumerated and priced by
+`autotp.solve.step`:
 
 * the ILP's optimum, with and without the reduction, is the best plan's time,
   free and under a binding memory limit, and the least memory when minimised;
@@ -25,6 +28,7 @@ from autotp.errors import SolverError
 from autotp.solve.chain import Block, Chain, Stage, chain_times_s
 from autotp.solve.ilp import _BYTES, MemoryInfeasible, solve
 from autotp.solve.problem import Arm, FanOut, Group, Problem
+from autotp.solve.recompute import Recompute
 from autotp.solve.reduce import reduce_problem
 from autotp.solve.step import memory_bytes, step_time
 
@@ -53,7 +57,20 @@ def _random_problem(rng: random.Random) -> Problem:
         problem.fanouts.append(_random_fanout(rng, problem))
     if rng.random() < 0.7:
         problem.chain = _random_chain(rng, problem)
+    if rng.random() < 0.5:
+        problem.recompute = [_random_recompute(rng, problem) for _ in range(rng.randint(1, 2))]
     return problem
+
+
+def _random_recompute(rng, problem: Problem) -> Recompute:
+    """A class of 1 to 3 layers: forward seconds and freed bytes per choice of a few groups (whole MiB a layer)."""
+    count = rng.randint(1, 3)
+    rc = Recompute([f"layers.{i}" for i in range(count)])
+    for g in rng.sample(list(problem.groups), rng.randint(1, 2)):
+        rc.forward_s[g] = [_level(rng) for _ in range(problem.groups[g].n)]
+    for g in rng.sample(list(problem.groups), rng.randint(1, 2)):
+        rc.saved_bytes[g] = [rng.choice([0, 1, 2]) * count * _BYTES for _ in range(problem.groups[g].n)]
+    return rc
 
 
 def _random_fanout(rng, problem: Problem) -> FanOut:
@@ -113,17 +130,25 @@ def _random_chain(rng, problem: Problem) -> Chain:
     return Chain(blocks, after)
 
 
-def _plans(problem: Problem, reduction=None):
-    """Every possible plan the reduction leaves (all when ``None``): ``(choice, time, memory)``."""
+def _plans(problem: Problem, reduction=None, recompute: bool = True):
+    """Every possible plan the reduction leaves (all when ``None``): ``(choice, time, memory)``.
+
+    Each layer class recomputed or not (the ILP has that choice when memory counts, ``recompute``).
+    """
     names = list(problem.groups)
+    subsets = [()]
+    if recompute:
+        subsets = [s for n in range(len(problem.recompute) + 1)
+                   for s in itertools.combinations(range(len(problem.recompute)), n)]
     for picks in itertools.product(*(range(problem.groups[g].n) for g in names)):
         choice = dict(zip(names, picks))
         if reduction and (any(choice[g] not in reduction.choices[g] for g in names)
                           or any(not reduction.pairs[u, v][choice[u], choice[v]] for u, v in problem.edges)):
             continue
-        total = step_time(problem, choice).total_s
-        if not math.isinf(total):
-            yield choice, total, memory_bytes(problem, choice)
+        for recomputed in subsets:
+            total = step_time(problem, choice, recomputed).total_s
+            if not math.isinf(total):
+                yield choice, total, memory_bytes(problem, choice, recomputed)
 
 
 def _best(plans, limit=None, by="time"):
@@ -154,7 +179,7 @@ def test_the_ilp_and_the_reduction_keep_the_best_plan_of_every_random_problem(se
     agrees = lambda plans: [p for p in plans if all(p[0][g] == c for g, c in kept.items())]
     for time, memory, cap in ((True, False, None), (True, True, limit), (False, True, None)):
         by = "time" if time else "memory"
-        left = list(_plans(problem, reduce_problem(problem, time=time, memory=memory, keep=kept)))
+        left = list(_plans(problem, reduce_problem(problem, time=time, memory=memory, keep=kept), recompute=memory))
         assert _best(left, cap, by) == _best(every, cap, by), (seed, by, cap)
         assert _best(agrees(left), None, by) == _best(agrees(every), None, by), (seed, by, kept)
 

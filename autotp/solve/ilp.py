@@ -221,7 +221,8 @@ def _run(lp, x, time_limit_s, solver: str = "cbc") -> Solution:
     status = pulp.LpStatus[lp.status]
     if status != "Optimal":
         return Solution({}, math.inf, len(lp.variables()), len(lp.constraints), elapsed, status, solver=solver)
-    recompute = tuple(k for k, v in x.get(_RECOMPUTE, {}).items() if v.value() > 0.5)
+    # a class whose rows all vanished (it frees nothing and costs nothing here) may be left without a value
+    recompute = tuple(k for k, v in x.get(_RECOMPUTE, {}).items() if (v.value() or 0.0) > 0.5)
     choice = {name: next(c for c, v in xs.items() if v.value() > 0.5) for name, xs in x.items() if name != _RECOMPUTE}
     objective, gap = pulp.value(lp.objective), None
     if lp.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped at the time limit holding an incumbent
