@@ -34,7 +34,7 @@ def large_and_small(name: str):
         with torch.device("meta"):
             large = MLP(4096, 16384)
         torch.manual_seed(0)
-        return (large, (torch.empty(8, 512, 4096, device="meta"),)), (MLP(32, 128), (torch.randn(2, 4, 32),))
+        return (large, (torch.empty(8, 512, 4096, device="meta"),)), (MLP(32, 128), (torch.randn(4, 4, 32),))
     with torch.device("meta"):
         large = GPT(vocab=32000, hidden=8192, heads=64, layers=2, seq=16)
     idx = torch.zeros(1, 16, dtype=torch.long, device="meta")
