@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from autotp.cost.memory import TERMS
 from autotp.report.collapse import collapse
+from autotp.solve.assemble import calls_per_step
 from autotp.units import format_bytes
 
 
@@ -54,8 +55,8 @@ def collective_lines(plan) -> list[str]:
     if not items:
         return ["  none"]
     rows = collapse(items)
-    calls = lambda c: 1 if c["phase"] == "step" or c.get("bucketed") else plan.micro_batches  # noqa: E731
-    total = lambda phase: sum(c["time_s"] * calls(c) for c in plan.collectives if c["phase"] == phase)  # noqa: E731
+    total = lambda phase: sum(c["time_s"] * calls_per_step(c, plan.micro_batches)  # noqa: E731
+                              for c in plan.collectives if c["phase"] == phase)
     lines = align(["where", "phase", "collective", "axis", "bytes", "time each", ""],
                   [[r.name, *r.values, _count(r.count)] for r in rows], left=4)
     step = f", after the optimizer step {format_seconds(total('step'))}" if total("step") else ""
