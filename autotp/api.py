@@ -228,7 +228,7 @@ _HINTS = {
     "parameters": "split the model over more devices (a larger tensor-parallel axis)",
     "gradients": "split the model over more devices (a larger tensor-parallel axis)",
     "optimizer": "split the model over more devices (with optimizer_sharding, a data-parallel axis splits the "
-                 "optimizer state too)",
+                 "optimizer state and gradients too)",
     "activations": "use a smaller batch or sequence per step",
     "buffers": "split the model over more devices",
 }
@@ -240,7 +240,7 @@ def memory_limit_error(graph, problem, smallest, mesh, training, limit) -> Memor
     dominant = max(TERMS, key=lambda t: terms[t])
     levers = ["every split of every op"]
     if any(s.optimizer_axes for options in problem.strategies.by_node.values() for s in options):
-        levers.append("optimizer state split where weights are whole (ZeRO-1)")
+        levers.append("optimizer state and gradients split where weights are whole (ZeRO-1 and 2)")
     if problem.recompute:
         levers.append(f"recomputation of {len(problem.recompute)} layer class(es)")
     if problem.micro_batches > 1:

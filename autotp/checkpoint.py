@@ -29,6 +29,7 @@ import torch
 
 from autotp.errors import CheckpointError
 from autotp.fileio import atomic_path, atomic_write_text
+from autotp.lower.pending import wait_parameters
 from autotp.lower.rewrite import parameter_aliases
 from autotp.mesh import Mesh
 from autotp.placement import Partial, Shard, parse_layout, shard_index
@@ -111,6 +112,7 @@ def save_sharded(directory, module, optimizer, plan, rank: int, step: int) -> Pa
     index. Returns the step's directory.
     """
     directory, step_dir = Path(directory), _step_dir(Path(directory), step)
+    wait_parameters(module)  # ZeRO's all-gathers after the last step may still be running
     params = _local_parameters(module, plan)
     payload = {"format": FORMAT, "rank": rank, "step": step, "plan": plan_fingerprint(plan),
                "parameters": {name: p.detach().cpu() for name, (_, p) in params.items()},
@@ -174,6 +176,7 @@ def load_sharded(directory, module, optimizer, plan, rank: int) -> int:
             f"plan {plan_fingerprint(plan)} on mesh {plan.mesh}: resume with autotp.checkpoint.checkpoint_plan"
             f"({str(directory)!r}) and {index['world_size']} processes, or consolidate it and re-shard")
     saved = _read_rank(directory, index, rank)
+    wait_parameters(module)  # a pending all-gather must not land over the loaded values
     params = _local_parameters(module, plan)
     with torch.no_grad():
         for name, (_, param) in params.items():

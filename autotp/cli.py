@@ -217,7 +217,7 @@ def cmd_explain(args) -> int:
     with stages.stage(f"rebuilding {spec.model}"):
         model, inputs, kwargs = build(spec, meta=True, training=saved.training)
         graph = rebuild_graph(model, inputs, kwargs, replay_layers=replays_layers(saved))
-        strategies = all_strategies(graph, saved.mesh)
+        strategies = all_strategies(graph, saved.mesh, training=saved.training)
         chosen = chosen_strategies(graph, strategies, saved)
     if len(chosen) != len(graph):
         raise UsageError(f"{args.plan} does not match its model any more ({len(graph) - len(chosen)} ops differ): "
@@ -321,8 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "gradients, master weights and Adam moments (18 B a parameter); auto reads each "
                         "parameter's dtype (default)")
     p.add_argument("--no-optimizer-sharding", dest="optimizer_sharding", action="store_false",
-                   help="keep every optimizer state whole (by default the plan may split it where a parameter is "
-                        "whole, ZeRO-1, when memory binds)")
+                   help="keep every optimizer state and gradient whole (by default the plan may split them where a "
+                        "parameter is whole, ZeRO-1 and 2, when memory binds or it is faster)")
     p.add_argument("--micro-batches", default="auto",
                    help="run the batch as this many micro-batches a step, gradients summed once; 'auto' (the "
                         "default) tries more while memory binds and keeps the fastest plan")

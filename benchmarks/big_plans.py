@@ -59,7 +59,8 @@ def report(name: str, solver: str = "auto", limit=None) -> None:
           f"{plan.ilp.get('shared_layers', 0)} layers sharing variables); fallbacks: {len(plan.fallback_ops)}")
     print(f"\npredicted step: {p['total_s'] * 1e3:.1f} ms = compute {p['compute_s'] * 1e3:.1f} ms + "
           f"communication {p['comm_s'] * 1e3:.1f} ms - {p['gradient_hidden_s'] * 1e3:.1f} ms of gradient sums "
-          f"hidden behind the backward pass (ILP objective {p['objective_s'] * 1e3:.1f} ms)")
+          f"hidden behind the backward pass - {p['gather_hidden_s'] * 1e3:.1f} ms of ZeRO all-gathers hidden "
+          f"behind the next forward (ILP objective {p['objective_s'] * 1e3:.1f} ms)")
     print(f"\nmemory levers: {plan.micro_batches} micro-batch(es) a step, {len(plan.recompute)} layers recomputed, "
           f"optimizer state split for {len(plan.optimizer_sharding)} of {len(plan.parameters)} parameters")
     print("\nmemory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()))

@@ -5,7 +5,9 @@ layers, sequence 4096) on the meta device, planned with `autotp.plan`'s
 defaults (memory limit: the profile's 80 GB less 5%; optimizer state
 splitting, recomputation and micro-batches all allowed) under `h100-hgx`.
 Per case: the predicted step, the levers the plan took, memory per device by
-term, planning time, and the model FLOPs utilisation
+term, planning time, the Megatron-style baseline costed in the same model
+(`autotp.report.baselines`, ``megatron-sp`` under the same limit), and the
+model FLOPs utilisation
 
     MFU = 6 * parameters * tokens / (step * devices * 989 TFLOP/s)
 
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import autotp  # noqa: E402
 import shapes  # noqa: E402
+from autotp.report.baselines import baseline_plans  # noqa: E402
 from autotp.units import format_bytes  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100 SXM dense bf16, the MFU convention of the issue
@@ -52,15 +55,34 @@ def report(name: str) -> None:
     mfu = 6 * params * tokens / (p["total_s"] * mesh.size * PEAK_FLOPS)
     print(f"\nplanned in {plan.stats['plan_s']:.1f} s; predicted step {p['total_s'] * 1e3:.1f} ms (compute "
           f"{p['compute_s'] * 1e3:.1f} of which recompute {p['recompute_s'] * 1e3:.1f}, communication "
-          f"{p['comm_s'] * 1e3:.1f}, hidden {p['gradient_hidden_s'] * 1e3:.1f}); MFU {mfu:.1%}")
+          f"{p['comm_s'] * 1e3:.1f}, hidden {p['hidden_s'] * 1e3:.1f}: gradient sums {p['gradient_hidden_s'] * 1e3:.1f}, "
+          f"ZeRO all-gathers {p['gather_hidden_s'] * 1e3:.1f}); MFU {mfu:.1%}")
     print(f"levers: {plan.micro_batches} micro-batches of {batch // plan.micro_batches}; "
           f"{len(plan.recompute)} of 80 layers recomputed; optimizer state split for "
           f"{len(plan.optimizer_sharding)} of {len(plan.parameters)} parameters "
-          f"({', '.join(sorted({'+'.join(a) for a in plan.optimizer_sharding.values()})) or 'none'})")
+          f"({', '.join(sorted({'+'.join(a) for a in plan.optimizer_sharding.values()})) or 'none'}), "
+          f"the gradient too for {len(plan.gradient_sharding)} (ZeRO-2)")
     print("memory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.memory.items()))
     layouts = sorted({(fqn.split(".")[-2], tuple(layout)) for fqn, layout in plan.parameters.items()
                       if ".layers.0." in fqn})
     print("layer 0 weights: " + ", ".join(f"{m} {'/'.join(l)}" for m, l in layouts))
+    compare(model, mesh, args, kwargs, params, tokens, p["total_s"])
+
+
+def compare(model, mesh, args, kwargs, params: int, tokens: int, autotp_s: float) -> None:
+    """Megatron-LM's recipe costed in the same model: TP + SP on the fast axis, with the same memory levers."""
+    baseline, = baseline_plans(model, mesh, args, kwargs, names=("megatron-sp",), profile="h100-hgx")
+    if baseline.plan is None:
+        print(f"megatron-style (TP+SP on tp, ZeRO and recomputation as needed, 1 micro-batch): n/a, "
+              f"{baseline.reason.splitlines()[0]}")
+    else:
+        p = baseline.plan
+        mfu = 6 * params * tokens / (p.predicted["total_s"] * mesh.size * PEAK_FLOPS)
+        print(f"megatron-style (TP+SP on tp, ZeRO and recomputation as needed, 1 micro-batch): "
+              f"{p.predicted['total_s'] * 1e3:.1f} ms, MFU {mfu:.1%}, {len(p.recompute)} layers recomputed; "
+              f"autotp / megatron-style = {autotp_s / p.predicted['total_s']:.3f}")
+    print("FSDP (ZeRO-3 over every device): not in autotp's search space yet (parameters are never stored split "
+          "and gathered at use)")
 
 
 def main() -> None:

@@ -113,6 +113,7 @@ class Variant:
         (out["loss"] if isinstance(out, dict) else out.loss).backward()
         for p in self.module.parameters():
             p.grad = None
+            p.autotp_gradient_slice = None  # ZeRO-2's slice of the summed gradient, which an optimizer would take
 
     def counted_step(self) -> tuple[int, int]:
         self.counter.clear()
@@ -128,6 +129,8 @@ def _autotp(label, plan, rank, sizes):
     model, args, kwargs = build(*sizes)
     counter = CommCounter()
     local = autotp.parallelize(model, plan, rank=rank, counter=counter)
+    if local.autotp_reducer is not None:  # ZeRO-2 sums stay sliced, as under `shard_optimizer`: the step as priced
+        local.autotp_reducer.keep_slices = True
     args, kwargs = local_inputs(plan, rank, args, kwargs)
     return Variant(label, local, args, kwargs, counter)
 

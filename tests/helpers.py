@@ -54,14 +54,20 @@ def forced_plan(kind: str, name: str, mesh, **options):
     raise ValueError(kind)
 
 
-def split_optimizer_where_whole(mesh_shape):
-    """A filter: a trained parameter whose optimizer state can be split has it split, over the most axes it can."""
+def split_optimizer_where_whole(mesh_shape, gradients: bool | None = None):
+    """A filter: a trained parameter whose optimizer state can be split has it split, over the most axes it can.
+
+    ``gradients`` False keeps every gradient whole (ZeRO-1), True splits the
+    gradient with the state where the parameter's use allows it (ZeRO-2),
+    None leaves that to the ILP.
+    """
 
     def allow(op, strategy) -> bool:
         if op.kind != KIND_PARAM or not op.requires_grad:
             return True
         widest = max((len(v.optimizer_axes) for v in optimizer_variants(strategy, mesh_shape)), default=0)
-        return len(strategy.optimizer_axes) == widest
+        return len(strategy.optimizer_axes) == widest and (gradients is None or not strategy.optimizer_axes
+                                                          or gradients or not strategy.gradient_split)
 
     return allow
 

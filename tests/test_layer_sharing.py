@@ -28,10 +28,12 @@ def plan(layers: int, share: bool, mesh="4", solver="auto"):
 
 
 def test_ilp_size_does_not_grow_with_depth():
-    shared = [plan(n, True) for n in (2, 4, 6)]
+    # from 3 layers on, the prefetch chain's layers after the first (whose forward follows the embeddings) fold
+    # into one run of identical layers, as the gradient chain's do: the ILP is the same size at any depth
+    shared = [plan(n, True) for n in (3, 4, 6)]
     assert len({(p.ilp["groups"], p.ilp["variables"], p.ilp["constraints"]) for p in shared}) == 1
     # every block shares one class (block 0 reads the embeddings, but edges are costed per layer)
-    assert [p.ilp["shared_layers"] for p in shared] == [2, 4, 6]
+    assert [p.ilp["shared_layers"] for p in shared] == [3, 4, 6]
     unshared = [plan(n, False) for n in (2, 4)]
     assert unshared[1].ilp["variables"] > unshared[0].ilp["variables"] > shared[0].ilp["variables"]
     assert shared[1].ilp["variables"] < unshared[1].ilp["variables"]

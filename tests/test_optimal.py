@@ -75,9 +75,11 @@ def test_the_objective_is_the_step_time_and_its_parts_add_up(case):
     for p in [plan] + [b.plan for b in baselines if b.plan is not None]:
         predicted = p.predicted
         assert predicted["objective_s"] == pytest.approx(predicted["total_s"], rel=1e-9, abs=1e-15)
-        assert predicted["compute_s"] + predicted["comm_s"] - predicted["gradient_hidden_s"] == pytest.approx(
+        assert predicted["compute_s"] + predicted["comm_s"] - predicted["hidden_s"] == pytest.approx(
             predicted["total_s"], rel=1e-9)
         assert 0 <= predicted["gradient_hidden_s"] <= predicted["gradient_s"] * (1 + 1e-12)
+        assert 0 <= predicted["gather_hidden_s"] <= predicted["gather_s"] * (1 + 1e-12)
+        assert predicted["hidden_s"] == pytest.approx(predicted["gradient_hidden_s"] + predicted["gather_hidden_s"])
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[_name(c) for c in CASES])

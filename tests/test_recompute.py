@@ -39,7 +39,7 @@ def test_the_ilp_recomputes_layers_only_when_memory_needs_it():
     free = autotp.plan(model, mesh, inputs, profile="h100-hgx")
     assert free.recompute == [] and free.predicted["recompute_s"] == 0.0
     limit = int(free.memory["total"] * 0.25)
-    with pytest.raises(MemoryLimitError, match=r"optimizer state split .*smallest any plan reaches"):
+    with pytest.raises(MemoryLimitError, match=r"optimizer state and gradients split .*smallest any plan reaches"):
         autotp.plan(model, mesh, inputs, profile="h100-hgx", memory_limit=limit, recompute=False, micro_batches=1)
     tight = autotp.plan(model, mesh, inputs, profile="h100-hgx", memory_limit=limit, micro_batches=1)
     assert tight.recompute == ["blocks.0", "blocks.1"]
@@ -47,7 +47,7 @@ def test_the_ilp_recomputes_layers_only_when_memory_needs_it():
     p = tight.predicted
     assert p["recompute_s"] > 0
     assert p["objective_s"] == pytest.approx(p["total_s"], rel=1e-9)
-    assert p["compute_s"] + p["comm_s"] - p["gradient_hidden_s"] == pytest.approx(p["total_s"], rel=1e-9)
+    assert p["compute_s"] + p["comm_s"] - p["hidden_s"] == pytest.approx(p["total_s"], rel=1e-9)
     assert "recomputed in backward: blocks.* ×2" in tight.summary()
     assert autotp.Plan.from_dict(tight.to_dict()).recompute == tight.recompute
 

@@ -4,7 +4,8 @@ Small random problems carry every piece of the step model (`autotp.solve.problem
 choices with infinite costs, edge tables with impossible pairs, fan-outs whose
 items are paid once however many uses need them (uses inside one group, uses
 with no consumer, uses from single-choice groups), a gradient chain with
-repeated blocks (`autotp.solve.chain`), and layer classes that may be
+repeated blocks (`autotp.solve.chain`), a prefetch chain of ZeRO's
+all-gathers (`autotp.solve.prefetch`), and layer classes that may be
 recomputed (`autotp.solve.recompute`: forward seconds again, bytes freed,
 one layer's transient). Values come from a few levels, so ties abound.
 Every plan, each class recomputed or not, is enumerated and priced by
@@ -27,6 +28,7 @@ import pytest
 from autotp.errors import SolverError
 from autotp.solve.chain import Block, Chain, Stage, chain_times_s
 from autotp.solve.ilp import _BYTES, MemoryInfeasible, solve
+from autotp.solve.prefetch import prefetch_times_s
 from autotp.solve.problem import Arm, FanOut, Group, Problem
 from autotp.solve.recompute import Recompute
 from autotp.solve.reduce import reduce_problem
@@ -57,6 +59,8 @@ def _random_problem(rng: random.Random) -> Problem:
         problem.fanouts.append(_random_fanout(rng, problem))
     if rng.random() < 0.7:
         problem.chain = _random_chain(rng, problem)
+    if rng.random() < 0.5:
+        problem.prefetch = _random_chain(rng, problem, pairs=False, after=False)
     if rng.random() < 0.5:
         problem.recompute = [_random_recompute(rng, problem) for _ in range(rng.randint(1, 2))]
     return problem
@@ -117,17 +121,17 @@ def _terms(rng, problem: Problem, pairs: bool):
     return nodes, tables
 
 
-def _random_chain(rng, problem: Problem) -> Chain:
+def _random_chain(rng, problem: Problem, pairs: bool = True, after: bool = True) -> Chain:
+    """A gradient chain, or (no pair terms, nothing after) a prefetch chain of ZeRO's all-gathers."""
     blocks = []
     for _ in range(rng.randint(1, 3)):
         stages = []
         for _ in range(rng.randint(1, 2)):
-            reduce_nodes, reduce_pairs = _terms(rng, problem, pairs=True)
+            reduce_nodes, reduce_pairs = _terms(rng, problem, pairs=pairs)
             before, _ = _terms(rng, problem, pairs=False)
             stages.append(Stage(0, reduce_nodes, reduce_pairs, before))
         blocks.append(Block(stages, rng.choice([1, 1, 2, 3])))
-    after, _ = _terms(rng, problem, pairs=False)
-    return Chain(blocks, after)
+    return Chain(blocks, _terms(rng, problem, pairs=False)[0] if after else {})
 
 
 def _plans(problem: Problem, reduction=None, recompute: bool = True):
@@ -194,6 +198,20 @@ def test_a_repeated_block_is_its_stages_run_that_many_times():
     # each block adds 3.5 s of sums against 3 s of compute: the queue grows by 0.5 s a block, to 3 s, less 1 s after
     assert chain_times_s(unrolled, {"g": 0}) == chain_times_s(folded, {"g": 0}) == (14.0, 2.0)
     assert solve(problem).objective_s == pytest.approx(2.0)
+
+
+def test_the_prefetch_wait_is_the_gathers_largest_lead_over_the_forward_pass():
+    """ZeRO's all-gathers queue up ahead of the forward pass: it waits where they lead it most, repeats folded."""
+    a, b = Stage(0, {"g": [3.0]}, {}, {"g": [1.0]}), Stage(1, {"g": [0.5]}, {}, {"g": [2.0]})
+    # gathers 3, 0.5 a layer against compute 1, 2: the lead is 2 after a, 0.5 after b, and grows by 0.5 a layer
+    for repeat, wait in ((1, 2.0), (4, 3.5)):
+        unrolled = Chain([Block([a, b]) for _ in range(repeat)])
+        folded = Chain([Block([a, b], repeat)])
+        assert prefetch_times_s(unrolled, {"g": 0}) == prefetch_times_s(folded, {"g": 0}) == (3.5 * repeat, wait)
+        group = Group("g", {"g": [0]}, [0.0], [1])
+        assert solve(Problem({"g": group}, {"g": "g"}, {}, None, prefetch=folded)).objective_s == pytest.approx(wait)
+    hidden = Chain([Block([Stage(0, {"g": [1.0]}, {}, {"g": [2.0]})], 5)])  # every gather hides behind compute
+    assert prefetch_times_s(hidden, {"g": 0}) == (5.0, 0.0)
 
 
 def test_ties_keep_one_choice():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from autotp.placement import local_bytes, shard_factor
-from autotp.redistribute import ALL_GATHER, ALL_REDUCE, SLICE
+from autotp.redistribute import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, SLICE
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb=25
 
@@ -70,9 +70,20 @@ def bucketed_step_time_s(kind: str, step, gradient_bytes: int, mesh, profile, bu
 
         25 MiB buckets, a 1 MiB norm gradient: 1/25 of the latency, bandwidth at 25 MiB
     """
+    return bucketed_time_s(kind, step.span, step.message_bytes, gradient_bytes, mesh, profile, bucket_bytes)
+
+
+def bucketed_time_s(kind: str, axes, message_bytes: int, gradient_bytes: int, mesh, profile,
+                    bucket_bytes: int) -> float:
+    """`bucketed_step_time_s` of a collective of ``message_bytes`` over the devices of ``axes``."""
     scale = max(1.0, bucket_bytes / gradient_bytes) if gradient_bytes else 1.0
-    return _span_time_s(kind, step.span, step.message_bytes, mesh, profile, latency_share=1.0 / scale,
-                        bandwidth_at=step.message_bytes * scale)
+    return _span_time_s(kind, axes, message_bytes, mesh, profile, latency_share=1.0 / scale,
+                        bandwidth_at=message_bytes * scale)
+
+
+def gradient_slice_time_s(axes, gradient_bytes: int, mesh, profile, bucket_bytes: int) -> float:
+    """Seconds of ZeRO-2's reduce-scatter of a whole gradient into the optimizer slices over ``axes``, in buckets."""
+    return bucketed_time_s(REDUCE_SCATTER, axes, gradient_bytes, gradient_bytes, mesh, profile, bucket_bytes)
 
 
 def inner_all_reduces(op, strategy, mesh) -> list[tuple[int, int]]:

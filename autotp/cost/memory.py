@@ -19,7 +19,11 @@ parameter's dtype: ``mixed`` for a 16-bit one, which is how such models are
 trained, and for a wider one the weight, gradient and two moments in its
 own dtype (``fp32`` for fp32). With the optimizer state split over
 mesh axes (ZeRO-1, ``Strategy.optimizer_axes``) each device keeps its slice
-of it, rounded up to a whole element.
+of it, rounded up to a whole element. With the gradient reduce-scattered
+into that slice as well (ZeRO-2, ``Strategy.gradient_split``) so is the
+gradient, when one micro-batch makes the step: with several, each
+micro-batch's partial gradient accumulates whole until the last one's sum
+(`autotp.lower.reducer`).
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ def state_bytes(itemsize: int, precision: str = AUTO) -> tuple[int, int, int]:
     return (itemsize, itemsize, 2 * itemsize) if itemsize >= 4 else PRECISIONS["mixed"]
 
 
-def node_memory_bytes(op, strategy, mesh, training: bool, precision: str = AUTO) -> dict[str, int]:
+def node_memory_bytes(op, strategy, mesh, training: bool, precision: str = AUTO,
+                      micro_batches: int = 1) -> dict[str, int]:
     """Bytes one node keeps on each device under ``strategy``, by term (only the terms it has)."""
     layout = strategy.out
     if op.kind == KIND_PARAM:
@@ -61,7 +66,8 @@ def node_memory_bytes(op, strategy, mesh, training: bool, precision: str = AUTO)
         numel = local // op.out[0].dtype.itemsize
         weight, gradient, optimizer = state_bytes(op.out[0].dtype.itemsize, precision)
         split = math.prod(mesh.shape[a] for a in strategy.optimizer_axes)
-        return {"parameters": weight * numel, "gradients": gradient * numel,
+        whole_gradient = not strategy.gradient_split or micro_batches > 1
+        return {"parameters": weight * numel, "gradients": gradient * (numel if whole_gradient else -(-numel // split)),
                 "optimizer": optimizer * -(-numel // split)}
     if op.kind == KIND_BUFFER:
         return {"buffers": local_bytes(op.out[0], layout, mesh.shape)}
@@ -70,11 +76,12 @@ def node_memory_bytes(op, strategy, mesh, training: bool, precision: str = AUTO)
     return {}
 
 
-def memory_by_term(graph, chosen: dict, mesh, training: bool, precision: str = AUTO) -> dict[str, int]:
+def memory_by_term(graph, chosen: dict, mesh, training: bool, precision: str = AUTO,
+                   micro_batches: int = 1) -> dict[str, int]:
     """Bytes per device for ``chosen`` (node name -> Strategy), split into named terms."""
     terms = dict.fromkeys(TERMS, 0)
     for op in graph.nodes():
-        for term, nbytes in node_memory_bytes(op, chosen[op.name], mesh, training, precision).items():
+        for term, nbytes in node_memory_bytes(op, chosen[op.name], mesh, training, precision, micro_batches).items():
             terms[term] += nbytes
     terms["total"] = sum(terms.values())
     return terms

@@ -43,6 +43,18 @@ partial gradients (as with DDP, which does not support it either).
 A sum is elementwise, so a bucket is one flat buffer whatever the layouts of
 its members: a reduce-scatter cuts it in equal pieces (padded to a multiple of
 the ranks) and the all-gather puts them back in the same order.
+
+ZeRO-2 (``plan.gradient_sharding``): a sum that ends in a reduce-scatter
+into the optimizer's slices (`GRADIENT_SLICE`) lays its bucket out by
+device, not by member: device ``r``'s piece holds slice ``r`` of every member
+(each member's flattened gradient cut in ``n`` slices of ``ceil(numel / n)``,
+the last zero-padded, as `autotp.runtime.optimizer` cuts the parameter), so
+the reduce-scatter leaves each device exactly its slices, summed. With an
+optimizer from `autotp.runtime.shard_optimizer` attached (``keep_slices``),
+a member's slice goes to ``param.autotp_gradient_slice`` and ``.grad`` stays
+empty: the whole gradient never outlives its bucket. Without one, an
+all-gather puts the sum back together into ``.grad``, so a plain optimizer
+(or a gradient check) sees what it would see without ZeRO-2.
 """
 
 from __future__ import annotations
@@ -56,9 +68,11 @@ import torch.distributed as dist
 
 from autotp.lower.collectives import count
 
+GRADIENT_SLICE = "gradient_slice"  # ZeRO-2's reduce-scatter of a summed gradient into the optimizer's slices
 _ASYNC = {
     "all_reduce": lambda out, x, group: dist.all_reduce(x, group=group, async_op=True),
     "reduce_scatter": lambda out, x, group: dist.reduce_scatter_single(out, x, group=group, async_op=True),
+    GRADIENT_SLICE: lambda out, x, group: dist.reduce_scatter_single(out, x, group=group, async_op=True),
     "all_gather": lambda out, x, group: dist.all_gather_single(out, x, group=group, async_op=True),
 }
 
@@ -88,10 +102,12 @@ class _Bucket:
     out: torch.Tensor | None = None
 
     def __post_init__(self):
-        sizes = [e.param.numel() for e in self.entries]
-        self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         multiple = math.prod(comm.size for kind, comm in self.unit if kind == "reduce_scatter")
-        self.padded = -(-self.offsets[-1] // multiple) * multiple
+        self.slices = self.unit[-1][1].size if self.unit and self.unit[-1][0] == GRADIENT_SLICE else 1
+        # a member's piece of a device's part: its whole gradient, or (ZeRO-2) one of its n slices
+        sizes = [-(-e.param.numel() // self.slices) for e in self.entries]
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        self.padded = -(-self.offsets[-1] // multiple) * multiple * self.slices  # one part per device
 
     @property
     def full(self) -> bool:
@@ -101,11 +117,21 @@ class _Bucket:
     def started(self) -> bool:
         return self.step >= 0
 
+    def _by_device(self, data: torch.Tensor, index: int) -> torch.Tensor:
+        """Member ``index``'s ``n`` slices in a buffer laid out by device: an ``(n, slice)`` view."""
+        return data.view(self.slices, -1)[:, self.offsets[index]:self.offsets[index + 1]]
+
     def add(self, index: int, grad: torch.Tensor) -> bool:
         """Copy a member's arriving gradient in; True when its parameter already holds a ``.grad``."""
         if self.data is None:
             self.data = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        self.data[self.offsets[index]:self.offsets[index + 1]].copy_(grad.reshape(-1))
+        flat = grad.reshape(-1)
+        if self.slices > 1:
+            whole = self._by_device(self.data, index)
+            flat = torch.nn.functional.pad(flat, (0, whole.numel() - flat.numel()))
+            whole.copy_(flat.view(self.slices, -1))
+        else:
+            self.data[self.offsets[index]:self.offsets[index + 1]].copy_(flat)
         self.arrived.add(index)
         if self.entries[index].param.grad is not None:
             self.accumulate.add(index)
@@ -126,26 +152,53 @@ class _Bucket:
     def _start(self, kind: str, comm) -> None:
         x = self.data
         size = {"all_reduce": x.numel(), "reduce_scatter": x.numel() // comm.size,
-                "all_gather": x.numel() * comm.size}[kind]
+                GRADIENT_SLICE: x.numel() // comm.size, "all_gather": x.numel() * comm.size}[kind]
         self.out = None if kind == "all_reduce" else torch.empty(size, dtype=x.dtype, device=x.device)
-        count(comm, kind, (x if kind != "all_gather" else self.out).numel() * x.element_size())
+        counted = "reduce_scatter" if kind == GRADIENT_SLICE else kind
+        count(comm, counted, (x if kind != "all_gather" else self.out).numel() * x.element_size())
         self.work = _ASYNC[kind](self.out, x, comm.group)
 
-    def finish(self) -> None:
-        """Run the sum to its end and give each member its piece; ready for the next backward."""
+    def finish(self, keep_slices: bool = False) -> None:
+        """Run the sum to its end and give each member its piece; ready for the next backward.
+
+        A ZeRO-2 bucket gives each member its optimizer slice with
+        ``keep_slices``, else all-gathers the slices back into whole gradients.
+        """
         if not self.arrived:
             return  # no member had a gradient this pass, on any rank (the program is the same)
         while self.step < len(self.unit):  # some members got no gradient: their zeros are summed too
             self.next_step()
+        if self.slices > 1 and keep_slices:
+            self._keep_slices()
+        else:
+            self._give_whole()
+        self.arrived, self.accumulate, self.data, self.step, self.work, self.out = set(), set(), None, -1, None, None
+
+    def _keep_slices(self) -> None:
+        for i, e in enumerate(self.entries):
+            if i in self.arrived:
+                piece = self.data[self.offsets[i]:self.offsets[i + 1]]
+                held = getattr(e.param, "autotp_gradient_slice", None)
+                e.param.autotp_gradient_slice = piece if held is None else held.add_(piece)
+
+    def _give_whole(self) -> None:
+        data = self.data
+        if self.slices > 1:  # this device's slices: gather every device's back into the by-device layout
+            kind, comm = self.unit[-1]
+            data = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+            count(comm, "all_gather", data.numel() * data.element_size())
+            dist.all_gather_single(data, self.data, group=comm.group)
         for i, e in enumerate(self.entries):
             if i not in self.arrived:
                 continue
-            piece = self.data[self.offsets[i]:self.offsets[i + 1]].view_as(e.param)
+            if self.slices > 1:
+                piece = self._by_device(data, i).reshape(-1)[:e.param.numel()].view_as(e.param)
+            else:
+                piece = data[self.offsets[i]:self.offsets[i + 1]].view_as(e.param)
             if i in self.accumulate:
                 e.param.grad.add_(piece)
             else:  # the partial gradient was dropped when copied: the sum takes its place
                 e.param.grad = piece
-        self.arrived, self.accumulate, self.data, self.step, self.work, self.out = set(), set(), None, -1, None, None
 
 
 @dataclass
@@ -161,6 +214,7 @@ class GradientReducer:
     _started: list = field(default_factory=list)  # buckets started in this pass, in order
     _unsynced: set = field(default_factory=set)  # entries whose .grad holds partial gradients of no_sync passes
     syncing: bool = True  # False inside no_sync(): gradients accumulate unsummed
+    keep_slices: bool = False  # ZeRO-2 sums stay sliced for `autotp.runtime.shard_optimizer`'s optimizer
 
     def add(self, param: torch.nn.Parameter, unit: tuple, position: int) -> None:
         self.entries.append(_Entry(param, tuple(unit), position))
@@ -255,7 +309,7 @@ class GradientReducer:
     def finish(self) -> None:
         self._task = None
         for bucket in self.buckets:
-            bucket.finish()
+            bucket.finish(self.keep_slices)
         if self._unsynced:  # a parameter with gradients from no_sync passes got none in this one: never summed
             names = len(self._unsynced)
             self._unsynced.clear()

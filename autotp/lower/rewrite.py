@@ -28,17 +28,18 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autotp.errors import PlanError
-from autotp.graph.opgraph import TensorMeta, build_opgraph, meta_of, tensor_input_nodes
+from autotp.graph.opgraph import KIND_PARAM, TensorMeta, build_opgraph, meta_of, tensor_input_nodes
 from autotp.lower.batching import batch_collectives
 from autotp.lower.collectives import AxisComm, Collective, CollectiveChain
 from autotp.lower.entry import InputEntry
 from autotp.lower.impls import build_impl
 from autotp.lower.local_args import local_target, localize_args
+from autotp.lower.pending import wait_at_first_use
 from autotp.lower.recompute import recompute_layers
-from autotp.lower.reducer import GradientReducer
+from autotp.lower.reducer import GRADIENT_SLICE, GradientReducer
 from autotp.placement import R, Shard, local_shape, parse_layout, shard_factor, shard_index
 from autotp.redistribute import SLICE, Unsupported, is_gradient_sum, replay_steps, step_units
-from autotp.solve.problem import OUTPUT, deferred_parameters, use_target, uses_of
+from autotp.solve.problem import OUTPUT, deferred_parameters, split_gradient_axes, use_target, uses_of
 from autotp.strategies.base import Strategy
 
 
@@ -76,6 +77,9 @@ class _Lowerer:
         self.position = {name: i for i, name in enumerate(graph.order)}
         overlap = plan.training and plan.runtime["overlap_gradients"]
         self.deferred = deferred_parameters(graph, uses_of(graph)) if overlap else set()
+        # parameter node -> the axes its gradient is reduce-scattered over, into its optimizer slices (ZeRO-2)
+        self.gradient_split = {op.name: tuple(self.mesh.names.index(a) for a in plan.optimizer_sharding[op.fqn])
+                               for op in graph.nodes() if op.kind == KIND_PARAM and op.fqn in plan.gradient_sharding}
         self.reducer = GradientReducer(plan.runtime["bucket_bytes"]) if overlap else None
         self.entries: dict[str, tuple[fx.Node, tuple]] = {}  # placeholder -> (its entry node, the layout after it)
         self.forms: dict[tuple, set] = {}  # (consumer, input, producer) -> multi-axis forms the plan chose
@@ -127,7 +131,7 @@ class _Lowerer:
         return self.modules[key]
 
     def redistribute(self, node: fx.Node, src, dst, grad: bool, grad_axes=(), consumer=("output", 0),
-                     producer: str | None = None) -> fx.Node:
+                     producer: str | None = None, split: tuple = ()) -> fx.Node:
         """Insert the steps from ``src`` to ``dst`` (and the gradient all-reduces) before the current point.
 
         Uses that need the same tensor in the same layout (a gradient flowing
@@ -138,11 +142,12 @@ class _Lowerer:
         (``consumer`` is the consuming node and input index; ``producer`` the
         plan's producer, when ``node`` stands for it: an input's entry cut).
         A deferred parameter's gradient sum goes to the gradient reducer
-        instead of the graph.
+        instead of the graph, and so does a ZeRO-2 parameter's, which ends in
+        a reduce-scatter over ``split`` into its optimizer slices.
         """
         producer = producer or node.name
         meta = meta_of(node.meta["val"])
-        key = (producer, tuple(src), tuple(dst), grad, tuple(grad_axes))
+        key = (producer, tuple(src), tuple(dst), grad, tuple(grad_axes), split)
         if key not in self.shared:
             forms = self.forms.get((*consumer, producer), set())
             try:
@@ -150,8 +155,8 @@ class _Lowerer:
             except Unsupported as exc:
                 raise PlanError(f"the plan's collectives for {producer!r} -> {consumer[0]!r} do not fit this "
                                 f"model ({exc}): the plan was edited or made for another model; re-plan") from None
-            if producer in self.deferred and is_gradient_sum(steps, self.mesh.shape):
-                self.defer(node, steps, consumer[0])
+            if producer in self.deferred and (split or is_gradient_sum(steps, self.mesh.shape)):
+                self.defer(node, steps, consumer[0], split)
                 self.shared[key] = node
                 return node
             out = node
@@ -169,13 +174,24 @@ class _Lowerer:
             fed, src = self.entry(node)
         _, dst, grad, axes = use_target(self.graph, self.mesh, self.plan.training, self.plan.runtime["whole_outputs"],
                                         node.name, consumer, i, src, strategy)
-        return self.redistribute(fed, src, dst, grad, axes, ("output", 0) if consumer == OUTPUT else (consumer, i),
-                                 producer=node.name)
+        split = self.gradient_split.get(node.name, ())
+        summed = split_gradient_axes(split, src, dst, grad, axes)
+        if summed is None or (split and node.name not in self.deferred):
+            raise PlanError(f"the plan reduce-scatters the gradient of {node.name!r} into its optimizer slices, but "
+                            f"its use by {consumer!r} cannot (the plan was edited or made for another model); re-plan")
+        return self.redistribute(fed, src, dst, grad, summed, ("output", 0) if consumer == OUTPUT else (consumer, i),
+                                 producer=node.name, split=split)
 
-    def defer(self, node: fx.Node, steps, consumer: str) -> None:
-        """Hand a parameter's gradient sum to the reducer: its steps' backward collectives, in the order they run."""
+    def defer(self, node: fx.Node, steps, consumer: str, split: tuple = ()) -> None:
+        """Hand a parameter's gradient sum to the reducer: its steps' backward collectives, in the order they run.
+
+        A ZeRO-2 parameter's sum ends in a reduce-scatter over ``split``
+        that leaves each device its optimizer slice of the summed gradient.
+        """
         unit = tuple((s.backward_kind, self.span_comm(s.span) if len(s.span) > 1 else self.comms[s.axis])
                      for s in reversed(steps) if s.backward_kind and math.prod(self.mesh.shape[a] for a in s.span) > 1)
+        if split:
+            unit += ((GRADIENT_SLICE, self.axes_comm(split)),)
         self.reducer.add(self.gm.get_parameter(node.target), unit, self.position[consumer])
 
     def entry(self, node: fx.Node) -> tuple[fx.Node, tuple]:
@@ -286,7 +302,7 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, graph=None, batch
     low = _Lowerer(gm, plan, coords, groups, graph)
     for comm in low.comms:
         comm.counter = counter
-    optimizer_shards = []  # (parameter, the group its optimizer state is split over): ZeRO-1
+    optimizer_shards = []  # (parameter, the group its optimizer state is split over): ZeRO-1 and 2
     for names, param in parameter_aliases(gm):
         planned = [n for n in names if n in plan.parameters]
         if not planned:
@@ -312,8 +328,15 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, graph=None, batch
     gm.recompile()
     batch_collectives(gm, batch, overlap)
     recompute_layers(gm, graph, plan.recompute if plan.training else ())
+    prefetch = plan.training and plan.runtime["overlap_gradients"]
+    if prefetch and optimizer_shards:  # the all-gathers after the optimizer step land just before first use
+        first = wait_at_first_use(gm, [p for p, _ in optimizer_shards])
+        optimizer_shards.sort(key=lambda entry: first.get(id(entry[0]), math.inf))
+        gm.graph.lint()
+        gm.recompile()
     if low.reducer is not None:
         low.reducer.hook()
     gm.autotp_reducer = low.reducer  # None when the plan runs its gradient sums in the graph
-    gm.autotp_optimizer_shards = optimizer_shards  # read by `autotp.runtime.shard_optimizer`
+    gm.autotp_optimizer_shards = optimizer_shards  # read by `autotp.runtime.shard_optimizer`, in first-use order
+    gm.autotp_prefetch = prefetch  # the forward pass waits for ZeRO's all-gathers itself (`autotp.lower.pending`)
     return gm

@@ -62,10 +62,16 @@ def megatron_styles(model: nn.Module) -> dict[str, str]:
     return styles
 
 
-def baseline_plans(model, mesh, example_inputs, example_kwargs=None, captured=None, **plan_kwargs) -> list[Baseline]:
+def baseline_plans(model, mesh, example_inputs, example_kwargs=None, captured=None, names=NAMES,
+                   **plan_kwargs) -> list[Baseline]:
     """The baselines for ``model`` on ``mesh``; ``plan_kwargs`` as for `autotp.plan` (profile, training...).
 
     ``captured`` (`autotp.api.capture_model`) reuses a capture; by default the model is captured once here.
+    ``names`` picks some of `NAMES`. Each baseline has the plan's memory levers
+    (optimizer state split, recomputation) as its ILP chooses them under the
+    same limit, one micro-batch a step: ``megatron-sp`` under a memory limit
+    is Megatron-LM's recipe (tensor and sequence parallelism on the last
+    axis, its distributed optimizer, recomputation) costed in the same model.
     """
     from autotp.api import as_mesh, capture_model, plan_captured
 
@@ -73,7 +79,7 @@ def baseline_plans(model, mesh, example_inputs, example_kwargs=None, captured=No
     replay = plan_kwargs.pop("replay_layers", True)
     captured = captured or capture_model(model, example_inputs, example_kwargs, replay)
     out = []
-    for name in NAMES:
+    for name in names:
         kwargs, why = _constraints(name, model, mesh, example_inputs, captured.graph)
         if why:
             out.append(Baseline(name, None, why))

@@ -25,9 +25,9 @@ def rebuild_graph(model, example_inputs=(), example_kwargs=None, replay_layers: 
     return build_opgraph(gm, _placeholder_grads(gm, example_inputs, example_kwargs))
 
 
-def all_strategies(graph, mesh, registry=None):
-    """Every op's strategies before any pin or filter, as the ILP starts from them."""
-    strategies = enumerate_strategies(graph, mesh.shape, registry or default_registry())
+def all_strategies(graph, mesh, registry=None, training: bool = False):
+    """Every op's strategies before any pin or filter, as the ILP starts from them (ZeRO's when ``training``)."""
+    strategies = enumerate_strategies(graph, mesh.shape, registry or default_registry(), optimizer_sharding=training)
     prune_unreachable(graph, strategies)
     return strategies
 

@@ -35,8 +35,14 @@ def _count(n: int) -> str:
 
 def parameter_lines(plan) -> list[str]:
     """A parameter's layout per mesh axis; a column for the axes its optimizer state is split on, if any is."""
-    sharded = plan.optimizer_sharding
-    extra = lambda fqn: (("+".join(sharded.get(fqn, ())) or "-",) if sharded else ())  # noqa: E731
+    sharded, gradients = plan.optimizer_sharding, set(plan.gradient_sharding)
+
+    def extra(fqn: str) -> tuple:
+        """``("dp",)``, ``("dp +grad",)`` with the gradient split too (ZeRO-2), ``("-",)``; nothing without a column."""
+        if not sharded:
+            return ()
+        return (("+".join(sharded.get(fqn, ())) or "-") + (" +grad" if fqn in gradients else ""),)
+
     rows = collapse([(fqn, tuple(layout) + extra(fqn)) for fqn, layout in plan.parameters.items()])
     header = ["parameter", *plan.mesh.names] + (["optimizer split on"] if sharded else [])
     return align(header + [""], [[r.name, *r.values, _count(r.count)] for r in rows])
@@ -127,11 +133,12 @@ def comparison_lines(plan, baselines) -> list[str]:
 
 
 def step_terms(plan) -> dict[str, float]:
-    """A plan's step time by where it goes: compute, collectives on the critical path, gradient sums not hidden."""
+    """A plan's step time by where it goes: compute, collectives on the critical path, overlapped ones not hidden."""
     p = plan.predicted
-    gradient = p.get("gradient_s", 0.0)
-    return {"compute": p["compute_s"], "collectives": p["comm_s"] - gradient,
-            "gradient sums not hidden": gradient - p.get("gradient_hidden_s", 0.0)}
+    gradient, gather = p.get("gradient_s", 0.0), p.get("gather_s", 0.0)
+    return {"compute": p["compute_s"], "collectives": p["comm_s"] - gradient - gather,
+            "gradient sums not hidden": gradient - p.get("gradient_hidden_s", 0.0),
+            "ZeRO all-gathers not hidden": gather - p.get("gather_hidden_s", 0.0)}
 
 
 def verdict_lines(plan, baselines) -> list[str]:

@@ -3,7 +3,8 @@
 from autotp.runtime.accumulate import accumulate
 from autotp.runtime.groups import mesh_groups
 from autotp.runtime.local import local_inputs
+from autotp.lower.pending import wait_parameters
 from autotp.runtime.optimizer import shard_optimizer
 from autotp.runtime.spawn import spawn
 
-__all__ = ["accumulate", "local_inputs", "mesh_groups", "shard_optimizer", "spawn"]
+__all__ = ["accumulate", "local_inputs", "mesh_groups", "shard_optimizer", "spawn", "wait_parameters"]

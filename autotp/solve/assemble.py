@@ -3,21 +3,24 @@
 The predicted step time is `autotp.solve.step.step_time` of the chosen
 choices: the ILP's own objective. The list of collectives is the same model
 seen per collective (one record per distinct redistribution of a tensor, as
-the lowering shares them), so compute plus every record, less the gradient
-time the backward pass hides, is that step time again.
+the lowering shares them), so compute plus every record, less what the
+passes hide (``hidden_s``: gradient sums behind the backward pass, ZeRO's
+all-gathers behind the next forward), is that step time again.
 """
 
 from __future__ import annotations
 
-from autotp.cost.comm import collective_time_s, inner_all_reduces, optimizer_gather, optimizer_time_s
+from autotp.cost.comm import (collective_time_s, gradient_slice_time_s, inner_all_reduces, optimizer_gather,
+                              optimizer_time_s)
 from autotp.cost.compute import compute_time_s
 from autotp.cost.memory import memory_by_term
 from autotp.cost.reshard import cheapest_steps, step_seconds
 from autotp.graph.opgraph import KIND_INPUT, KIND_PARAM
-from autotp.placement import layout_str
+from autotp.placement import layout_str, local_bytes
 from autotp.redistribute import entry_layout
 from autotp.solve.plan import NodePlan, Plan
-from autotp.solve.problem import OUTPUT, deferred_parameters, output_layout, use_target, uses_of
+from autotp.solve.problem import (OUTPUT, deferred_parameters, output_layout, split_gradient_axes, use_target,
+                                  uses_of)
 from autotp.solve.recompute import recompute_effect
 from autotp.solve.step import step_time
 
@@ -95,9 +98,24 @@ def all_collectives(graph, chosen, mesh, profile, training, whole_outputs=False,
                 continue
             seen.add((dst, grad, axes))
             node, index = ("output", 0) if consumer == OUTPUT else (consumer, i)
-            out += edge_collectives(mesh, profile, training, node, producer, index, chosen[producer].out, dst, meta,
-                                    grad, axes, producer in deferred, bucket_bytes)
+            made = chosen[producer]
+            split = made.optimizer_axes if made.gradient_split else ()
+            summed = split_gradient_axes(split, made.out, dst, grad, axes)
+            out += edge_collectives(mesh, profile, training, node, producer, index, made.out, dst, meta,
+                                    grad, summed, producer in deferred, bucket_bytes)
+            if split:
+                out.append(gradient_slice_collective(mesh, profile, node, producer, index, made.out, meta, split,
+                                                     bucket_bytes))
     return out
+
+
+def gradient_slice_collective(mesh, profile, node, producer, index, layout, meta, split, bucket_bytes) -> dict:
+    """ZeRO-2's reduce-scatter of a parameter's whole gradient into its optimizer slices, in the reducer's buckets."""
+    nbytes = local_bytes(meta, layout, mesh.shape)
+    return {"node": node, "input": index, "producer": producer, "phase": "backward", "kind": "reduce_scatter",
+            "axis": "+".join(mesh.names[a] for a in split), "bytes": int(nbytes),
+            "time_s": _round(gradient_slice_time_s(split, nbytes, mesh, profile, bucket_bytes)), "bucketed": True,
+            "slice": True}
 
 
 def io_layouts(graph, chosen, mesh, whole_outputs: bool) -> dict:
@@ -128,7 +146,7 @@ def calls_per_step(record: dict, micro_batches: int) -> int:
 
 def plan_memory(graph, problem, solution, chosen, mesh, training) -> dict[str, int]:
     """Memory per device by term; recomputed layers keep fewer activations, and rebuild one layer's at a time."""
-    terms = memory_by_term(graph, chosen, mesh, training, problem.precision)
+    terms = memory_by_term(graph, chosen, mesh, training, problem.precision, problem.micro_batches)
     _, freed, transient = recompute_effect(problem, solution.choice, solution.recompute)
     terms["activations"] += transient - freed
     terms["total"] += transient - freed
@@ -148,6 +166,7 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
     params = {op.fqn: layout_str(chosen[op.name].out) for op in graph.nodes() if op.kind == KIND_PARAM}
     optimizer = {op.fqn: [mesh.names[a] for a in chosen[op.name].optimizer_axes]
                  for op in graph.nodes() if op.kind == KIND_PARAM and chosen[op.name].optimizer_axes}
+    gradients = [op.fqn for op in graph.nodes() if op.kind == KIND_PARAM and chosen[op.name].gradient_split]
     return Plan(
         mesh=mesh, profile=profile.name, training=training, parameters=params, nodes=nodes,
         fallback_ops=dict(problem.strategies.fallback), collectives=collectives,
@@ -156,6 +175,8 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
                    "recompute_s": again_s,
                    "comm_s": sum(c["time_s"] * calls_per_step(c, k) for c in collectives),
                    "gradient_s": step.gradient_s, "gradient_hidden_s": step.gradient_hidden_s,
+                   "gather_s": step.gather_s, "gather_hidden_s": step.gather_hidden_s,
+                   "hidden_s": step.gradient_hidden_s + step.gather_hidden_s,
                    "total_s": step.total_s, "objective_s": solution.objective_s},
         memory=plan_memory(graph, problem, solution, chosen, mesh, training),
         inputs=inputs,
@@ -165,6 +186,7 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
         runtime={"overlap_gradients": problem.overlap_gradients, "bucket_bytes": problem.bucket_bytes,
                  "whole_outputs": whole_outputs, "precision": problem.precision},
         optimizer_sharding=optimizer,
+        gradient_sharding=gradients,
         recompute=[layer for r in solution.recompute for layer in problem.recompute[r].layers],
         micro_batches=k,
         io=io_layouts(graph, chosen, mesh, whole_outputs),

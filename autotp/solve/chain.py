@@ -65,7 +65,8 @@ class Chain:
     after: dict[str, list[float]] = field(default_factory=dict)
 
 
-def _add(terms: dict, key, values) -> None:
+def add_terms(terms: dict, key, values) -> None:
+    """``terms[key] += values``, per choice (a list) or per pair of choices (a list of lists); a new list."""
     if key in terms:
         old = terms[key]
         terms[key] = ([a + b for a, b in zip(old, values)] if not isinstance(values[0], list)
@@ -89,11 +90,11 @@ def build_chain(graph, problem, deferred: set[str], gradient_table, mesh, profil
         gu, gv = problem.group_of[param], problem.group_of[consumer]
         table = gradient_table(param, consumer, i)
         if problem.groups[gu].n == 1:
-            _add(stage.reduce_nodes, gv, [t for t in table[0]])
+            add_terms(stage.reduce_nodes, gv, [t for t in table[0]])
         elif problem.groups[gv].n == 1:
-            _add(stage.reduce_nodes, gu, [row[0] for row in table])
+            add_terms(stage.reduce_nodes, gu, [row[0] for row in table])
         else:
-            _add(stage.reduce_pairs, (gu, gv), table)
+            add_terms(stage.reduce_pairs, (gu, gv), table)
     order = sorted(stages.values(), key=lambda s: -s.position)
     after: dict[str, list[float]] = {}
     starts = [-s.position for s in order]  # ascending, for bisect
@@ -109,8 +110,8 @@ def build_chain(graph, problem, deferred: set[str], gradient_table, mesh, profil
         if s == 0:
             continue  # runs before any gradient is ready: hides nothing
         target = after if s == len(order) else order[s].before
-        _add(target, group.leader, list(memo[twin]))
-    return Chain(_blocks(graph, order), after)
+        add_terms(target, group.leader, list(memo[twin]))
+    return Chain(fold_blocks(graph, order), after)
 
 
 def _terms(stage: Stage) -> tuple:
@@ -120,7 +121,7 @@ def _terms(stage: Stage) -> tuple:
             sorted((k, tuple(v)) for k, v in stage.before.items()))
 
 
-def _blocks(graph, order: list[Stage]) -> list[Block]:
+def fold_blocks(graph, order: list[Stage]) -> list[Block]:
     """Stages cut into layers (by the layer of each stage's consumer), runs of identical layers folded."""
     layers: list[tuple[object, list[Stage]]] = []
     for stage in order:
@@ -140,7 +141,7 @@ def _blocks(graph, order: list[Stage]) -> list[Block]:
     return blocks
 
 
-def _value(nodes: dict, pairs: dict, choice: dict) -> float:
+def stage_value(nodes: dict, pairs: dict, choice: dict) -> float:
     return (sum(v[choice[g]] for g, v in nodes.items())
             + sum(t[choice[u]][choice[v]] for (u, v), t in pairs.items()))
 
@@ -155,7 +156,7 @@ def chain_times_s(chain: Chain, choice: dict[str, int]) -> tuple[float, float]:
     for block in chain.blocks:
         for _ in range(block.repeat):
             for stage in block.stages:
-                reduce = _value(stage.reduce_nodes, stage.reduce_pairs, choice)
+                reduce = stage_value(stage.reduce_nodes, stage.reduce_pairs, choice)
                 total += reduce
-                lag = reduce + max(0.0, lag - _value(stage.before, {}, choice))
-    return total, max(0.0, lag - _value(chain.after, {}, choice))
+                lag = reduce + max(0.0, lag - stage_value(stage.before, {}, choice))
+    return total, max(0.0, lag - stage_value(chain.after, {}, choice))

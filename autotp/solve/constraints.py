@@ -72,7 +72,8 @@ def same_as(plan):
         split = tuple(plan.optimizer_sharding.get(op.fqn, ())) if op.kind == KIND_PARAM else ()
         return (layout_str(strategy.out) == tuple(entry.out) and strategy.impl == entry.impl
                 and tuple(layout_str(layout) for layout in strategy.ins) == tuple(tuple(i) for i in entry.ins)
-                and tuple(plan.mesh.names[a] for a in strategy.optimizer_axes) == split)
+                and tuple(plan.mesh.names[a] for a in strategy.optimizer_axes) == split
+                and strategy.gradient_split == (op.fqn in plan.gradient_sharding if op.kind == KIND_PARAM else False))
 
     allow.strict = True  # an op with no matching strategy is an error, not a silent replicate
     return allow

@@ -15,7 +15,10 @@ its optimum is the plan's predicted step time (`autotp.solve.step`):
   continuous ``w >= 0`` at least every use's indicator of needing it, paid
   once;
 * the gradient chain's wait is one continuous ``lag`` per stage and the
-  recurrence's ``max`` as two inequalities each (`autotp.solve.chain`).
+  recurrence's ``max`` as two inequalities each (`autotp.solve.chain`);
+* the prefetch chain's wait (ZeRO's all-gathers behind the next forward
+  pass) is one continuous ``wait`` at least each stage's lead
+  (`autotp.solve.prefetch`).
 
 Coefficients are scaled to microseconds and MiB for the solver's tolerances;
 the objective is reported in seconds. A memory limit is one more linear
@@ -95,6 +98,8 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
         objective += _fanout_terms(lp, problem, x, y)
         if problem.chain is not None:
             objective.append(_chain_wait(lp, problem.chain, x, y))
+        if problem.prefetch is not None:
+            objective.append(_prefetch_wait(lp, problem.prefetch, x, y))
     r = {}
     if problem.recompute and (minimise == "memory" or memory_limit_bytes is not None):
         r = _recompute_terms(lp, problem, x, objective, memory)
@@ -200,6 +205,31 @@ def _chain_wait(lp, chain, x: dict, y: dict):
         lag = out
     wait = pulp.LpVariable("gradient_wait", lowBound=0)
     lp += wait >= lag - pulp.lpSum(_linear(x, y, chain.after, {})), "gradient_wait"
+    return wait
+
+
+def _prefetch_wait(lp, chain, x: dict, y: dict):
+    """The seconds the forward pass waits for ZeRO's all-gathers (`autotp.solve.prefetch`), as LP variables.
+
+    ``wait >= 0`` and ``wait >=`` the gathers' lead over the compute at every
+    stage: the lead when a block starts (a variable per block, so no row
+    grows with depth) plus the block's own terms up to the stage, at the
+    block's first and (repeated ``n`` times) last layer.
+    """
+    wait = pulp.LpVariable("gather_wait", lowBound=0)
+    lead = 0
+    for k, block in enumerate(chain.blocks):
+        own, rows = [], []
+        for stage in block.stages:
+            own += _linear(x, y, stage.reduce_nodes, {}) + [-t for t in _linear(x, y, stage.before, {})]
+            rows.append(list(own))
+        for s, terms in enumerate(rows):
+            lp += wait >= lead + pulp.lpSum(terms), f"gather_{k}_{s}_first"
+            if block.repeat > 1:
+                lp += wait >= lead + (block.repeat - 1) * pulp.lpSum(own) + pulp.lpSum(terms), f"gather_{k}_{s}_last"
+        after = pulp.LpVariable(f"gather_lead_{k}")
+        lp += after == lead + block.repeat * pulp.lpSum(own), f"gather_lead_{k}"
+        lead = after
     return wait
 
 

@@ -16,8 +16,8 @@ from autotp.fileio import atomic_write_text
 from autotp.mesh import Mesh
 from autotp.placement import parse_layout
 
-PLAN_VERSION = 5  # 5 added ``optimizer_sharding``, ``recompute`` and ``micro_batches``; 4 ``runtime`` and ``io``; 3 ``source`` and ``scopes``
-READABLE_VERSIONS = (2, 3, 4, 5)
+PLAN_VERSION = 6  # 6 added ``gradient_sharding``; 5 ``optimizer_sharding``, ``recompute`` and ``micro_batches``; 4 ``runtime`` and ``io``; 3 ``source`` and ``scopes``
+READABLE_VERSIONS = (2, 3, 4, 5, 6)
 # what plans made before version 4 mean: every output whole, gradient sums run where they are used
 LEGACY_RUNTIME = {"overlap_gradients": False, "bucket_bytes": 25 * 2**20, "whole_outputs": True}
 
@@ -62,6 +62,8 @@ class Plan:
     io: dict = field(default_factory=dict)
     # parameter -> the mesh axes (names) its optimizer state is split on (ZeRO-1); `autotp.runtime.shard_optimizer`
     optimizer_sharding: dict[str, list[str]] = field(default_factory=dict)
+    # parameters whose gradient is reduce-scattered into those slices as well (ZeRO-2), a subset of the above
+    gradient_sharding: list[str] = field(default_factory=list)
     # the layers (module paths) recomputed in backward; `autotp.lower.recompute` checkpoints them
     recompute: list[str] = field(default_factory=list)
     # a step runs this many micro-batches of ``inputs`` (the example batch / k), gradients summed once
@@ -78,6 +80,7 @@ class Plan:
             "inputs": self.inputs, "ilp": self.ilp, "source": self.source, "scopes": dict(self.scopes),
             "runtime": dict(self.runtime), "io": self.io,
             "optimizer_sharding": {k: list(v) for k, v in self.optimizer_sharding.items()},
+            "gradient_sharding": list(self.gradient_sharding),
             "recompute": list(self.recompute), "micro_batches": self.micro_batches,
         }
 
@@ -102,6 +105,7 @@ class Plan:
             source=d.get("source"), scopes=dict(d.get("scopes") or {}),
             runtime={**LEGACY_RUNTIME, **(d.get("runtime") or {})}, io=dict(d.get("io") or {}),
             optimizer_sharding={k: list(v) for k, v in (d.get("optimizer_sharding") or {}).items()},
+            gradient_sharding=list(d.get("gradient_sharding") or []),
             recompute=list(d.get("recompute") or []), micro_batches=int(d.get("micro_batches", 1)),
         )
 

@@ -13,7 +13,10 @@ One model of a training step (docs/cost-model.md), in pieces the ILP can add up:
   *item*, paid once whichever uses need it;
 * **the gradient chain** (`autotp.solve.chain`): the gradient sums of
   parameters that the runtime buckets and overlaps with the backward pass,
-  and the backward compute that can hide them.
+  and the backward compute that can hide them;
+* **the prefetch chain** (`autotp.solve.prefetch`): ZeRO's all-gathers of
+  parameters after the optimizer step, and the next forward pass's compute
+  that can hide them.
 
 Every piece is costed once per distinct op or use and counted as often as it
 occurs, so the problem of a deep stack of identical layers costs no more to
@@ -27,14 +30,15 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from autotp.cost.comm import DEFAULT_BUCKET_BYTES, inner_time_s, optimizer_time_s
+from autotp.cost.comm import DEFAULT_BUCKET_BYTES, gradient_slice_time_s, inner_time_s, optimizer_time_s
 from autotp.cost.compute import compute_time_s
 from autotp.cost.memory import AUTO, node_memory_bytes
 from autotp.cost.reshard import edge_times_s
 from autotp.graph.opgraph import KIND_PARAM, OpGraph
-from autotp.placement import R, Shard
+from autotp.placement import R, Shard, local_bytes
 from autotp.solve.chain import Chain, build_chain
 from autotp.solve.layers import Sharing, share_identical_layers
+from autotp.solve.prefetch import build_prefetch
 from autotp.solve.recompute import recompute_classes
 from autotp.strategies.enumerate import OpStrategies
 
@@ -94,6 +98,7 @@ class Problem:
     strategies: OpStrategies
     fanouts: list[FanOut] = field(default_factory=list)
     chain: Chain | None = None  # None: gradient sums are not overlapped (all their time is exposed)
+    prefetch: Chain | None = None  # None: ZeRO's parameter all-gathers are not overlapped (or there are none)
     sharing: Sharing = field(default_factory=Sharing)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     precision: str = AUTO  # the training precision the memory of parameters' state is counted in
@@ -141,6 +146,25 @@ def use_target(graph: OpGraph, mesh, training: bool, whole_outputs: bool, produc
     return meta, strategy.ins[i], grad, axes
 
 
+def split_gradient_axes(split: tuple, src, dst, grad: bool, axes: tuple) -> tuple | None:
+    """The axes a use's gradient is still all-reduced over when ZeRO-2 reduce-scatters it over ``split``.
+
+    ``split`` is the parameter's optimizer axes when its gradient goes straight
+    into their slices (``Strategy.gradient_split``), else empty (``axes`` is
+    returned as it is). The reduce-scatter sums over ``split`` as it slices,
+    so the use must sum its gradient over every axis of ``split``, and take
+    the parameter as it is laid out (nothing forward): otherwise ``None``,
+    this pair cannot be.
+
+        split (0,), gradient summed over (0, 1) -> all-reduce over (1,), then reduce-scatter over 0
+    """
+    if not split:
+        return axes
+    if not grad or tuple(src) != tuple(dst) or not set(split) <= set(axes):
+        return None
+    return tuple(a for a in axes if a not in split)
+
+
 def uses_of(graph: OpGraph) -> dict[str, list[tuple[str, int]]]:
     """Every use of every tensor, in program order: ``(consumer, input index)``, ``("output", k)`` when returned."""
     uses = {name: [] for name in graph.order}
@@ -169,8 +193,9 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
     """Cost every group choice, every use of every tensor, and (when overlapped) the gradient chain.
 
     With ``overlap_gradients`` (and ``training``) the gradient sums of
-    parameters with one use go to the chain, at the bucket's rates; otherwise
-    they are exposed like every other collective. ``whole_outputs`` returns
+    parameters with one use go to the chain, at the bucket's rates, and
+    ZeRO's all-gathers after the optimizer step to the prefetch chain;
+    otherwise they are exposed like every other collective. ``whole_outputs`` returns
     every output replicated (R); by default an output split by rows stays so
     and anything else is made whole (`output_layout`). With ``share_layers``
     identical layers share their choices (`autotp.solve.layers`). ``precision`` is the training precision
@@ -191,7 +216,7 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
         group.cost_s, group.memory_bytes = [0.0] * group.n, [0] * group.n
     uses = uses_of(graph)
     deferred = deferred_parameters(graph, uses) if training and overlap_gradients else set()
-    coster = _Coster(problem, graph, mesh, profile, training, whole_outputs, deferred, precision)
+    coster = _Coster(problem, graph, mesh, profile, training, whole_outputs, deferred, overlap_gradients, precision)
     for (leader, name), count in Counter((group_of[op.name], sharing.of(op.name)) for op in graph.nodes()).items():
         coster.add_node(groups[leader], graph.node(name), count)
     canonical = Counter((sharing.of(p), tuple((sharing.of(v) if v != OUTPUT else v, i) for v, i in u))
@@ -200,6 +225,7 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
         coster.add_uses(producer, list(arms), count * micro_batches)
     if training and overlap_gradients:
         problem.chain = build_chain(graph, problem, deferred, coster.gradient_table, mesh, profile, training)
+        problem.prefetch = build_prefetch(graph, problem, mesh, profile)
     if training and recompute:
         problem.recompute = recompute_classes(graph, problem, mesh, profile, precision)
     return problem
@@ -216,19 +242,28 @@ class _Coster:
     training: bool
     whole_outputs: bool
     deferred: set
+    overlap: bool
     precision: str = AUTO
     memo: dict = field(default_factory=dict)
+    tables: dict = field(default_factory=dict)  # gradient tables of deferred uses, by twin
 
     def add_node(self, group: Group, op, count: int) -> None:
         """``count`` ops alike to ``op``: their compute, inner collectives and memory, per group choice."""
         for c in range(group.n):
             strategy = self.problem.strategy(op.name, c)
+            if strategy.gradient_split and op.name not in self.deferred:
+                group.cost_s[c] = math.inf  # its gradient is summed in the program, not in the reducer's buckets
             per_micro_batch = (compute_time_s(op, strategy, self.mesh, self.profile, self.training)
                                + inner_time_s(op, strategy, self.mesh, self.profile))
             group.cost_s[c] += count * (self.problem.micro_batches * per_micro_batch
-                                        + optimizer_time_s(op, strategy, self.mesh, self.profile))
+                                        + (0.0 if self.prefetched(op) else optimizer_time_s(op, strategy, self.mesh,
+                                                                                           self.profile)))
             group.memory_bytes[c] += count * sum(node_memory_bytes(op, strategy, self.mesh, self.training,
-                                                                   self.precision).values())
+                                                                   self.precision, self.problem.micro_batches).values())
+
+    def prefetched(self, op) -> bool:
+        """Whether ``op``'s all-gather after the optimizer step goes to the prefetch chain (`build_prefetch`)."""
+        return self.training and self.overlap and bool(self.graph.consumers(op.name))
 
     def use(self, producer: str, consumer: str, i: int, cu: int, cv: int) -> tuple[tuple | None, float, float]:
         """``(target key, exposed, gradient)`` seconds of one use for one pair of choices.
@@ -237,24 +272,40 @@ class _Coster:
         ``None`` with infinite time: the pair cannot be (the pieces of a split
         are taken as produced).
         """
-        src = self.problem.strategy(producer, cu).out
+        made = self.problem.strategy(producer, cu)
+        src = made.out
         strategy = None if consumer == OUTPUT else self.problem.strategy(consumer, cv)
         meta, dst, grad, axes = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer,
                                            consumer, i, src, strategy)
         if consumer != OUTPUT and self.graph.node(producer).multi_output and src != dst:
             return None, math.inf, 0.0
+        split = made.optimizer_axes if made.gradient_split else ()
+        summed = split_gradient_axes(split, src, dst, grad, axes)
+        if summed is None:
+            return None, math.inf, 0.0
         deferred = producer in self.deferred
-        memo = (src, dst, meta, grad, axes, deferred)
+        memo = (src, dst, meta, grad, summed, deferred, split)
         if memo not in self.memo:
-            self.memo[memo] = edge_times_s(src, dst, meta, self.mesh, self.profile, self.training, grad, axes,
-                                           deferred, self.problem.bucket_bytes)
+            exposed, gradient = edge_times_s(src, dst, meta, self.mesh, self.profile, self.training, grad, summed,
+                                             deferred, self.problem.bucket_bytes)
+            if split:
+                gradient += gradient_slice_time_s(split, local_bytes(meta, src, self.mesh.shape), self.mesh,
+                                                  self.profile, self.problem.bucket_bytes)
+            self.memo[memo] = exposed, gradient
         return (dst, grad, axes), *self.memo[memo]
 
     def gradient_table(self, producer: str, consumer: str, i: int) -> list[list[float]]:
-        """The gradient seconds of a deferred use, per pair of choices of its two groups."""
-        gu, gv = self.problem.group_of[producer], self.problem.group_of[consumer]
-        nu, nv = self.problem.groups[gu].n, self.problem.groups[gv].n
-        return [[self.use(producer, consumer, i, cu, cv)[2] for cv in range(nv)] for cu in range(nu)]
+        """The gradient seconds of a deferred use, per pair of choices of its two groups.
+
+        Twins in identical layers share their choices and strategies, so their
+        uses share one table (80 layers cost what one does).
+        """
+        key = (self.problem.sharing.of(producer), self.problem.sharing.of(consumer), i)
+        if key not in self.tables:
+            gu, gv = self.problem.group_of[producer], self.problem.group_of[consumer]
+            nu, nv = self.problem.groups[gu].n, self.problem.groups[gv].n
+            self.tables[key] = [[self.use(producer, consumer, i, cu, cv)[2] for cv in range(nv)] for cu in range(nu)]
+        return self.tables[key]
 
     def add_uses(self, producer: str, arms: list[tuple[str, int]], count: int) -> None:
         """``count`` tensors alike to ``producer`` with these uses: an edge when one, else a fan-out."""

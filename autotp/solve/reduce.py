@@ -25,7 +25,9 @@ The bounds, per piece of the step model (`autotp.solve.problem`):
   and any other may add the new item's whole cost (and saves at least 0);
 * the gradient chain's wait (`autotp.solve.chain`) grows with every gradient
   sum and shrinks with every second of backward compute, by at most the
-  change: the bound adds the positive part of each term's change;
+  change: the bound adds the positive part of each term's change; the same
+  holds for the prefetch chain's wait (`autotp.solve.prefetch`), with ZeRO's
+  all-gathers and the forward compute;
 * a layer class's recomputation (`autotp.solve.recompute`) adds the forward
   seconds of the group's choice if the class is recomputed, and frees its
   activation bytes: the bound adds the rise of the one and the fall of the
@@ -115,8 +117,9 @@ class _TimeBounds:
                      for g, group in problem.groups.items()}
         self.edge_terms: dict[tuple, list] = {e: [("diff", _finite(t))] for e, t in problem.edges.items()}
         self._add_fanouts()
-        if problem.chain is not None:
-            self._add_chain()
+        for chain in (problem.chain, problem.prefetch):
+            if chain is not None:
+                self._add_chain(chain)
         if recompute:  # a recomputed class runs its forward again: the switch may add the rise of that time
             for rc in problem.recompute:
                 for g, values in rc.forward_s.items():
@@ -139,8 +142,7 @@ class _TimeBounds:
                 else:
                     self.edge_terms[gu, gv].append(("shared", items, cost, ident))
 
-    def _add_chain(self) -> None:
-        chain = self.problem.chain
+    def _add_chain(self, chain) -> None:
         for block in chain.blocks:
             n = block.repeat  # each repeat is one more stage whose terms may rise
             for stage in block.stages:

@@ -11,25 +11,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autotp.solve.chain import chain_times_s
+from autotp.solve.prefetch import prefetch_times_s
 from autotp.solve.problem import Problem
 from autotp.solve.recompute import recompute_effect
 
 
 @dataclass(frozen=True)
 class StepTime:
-    """One step, in seconds: what runs on the critical path, and the gradient sums behind the backward pass."""
+    """One step, in seconds: what runs on the critical path, the gradient sums behind the backward pass, and
+    ZeRO's all-gathers behind the next forward pass."""
 
     exposed_s: float  # compute and every collective the program waits for as it runs
     gradient_s: float  # gradient sums the runtime buckets behind the backward pass
     gradient_exposed_s: float  # the part of them the step still waits for
+    gather_s: float = 0.0  # ZeRO's parameter all-gathers after the optimizer step, behind the next forward pass
+    gather_exposed_s: float = 0.0  # the part of them the forward pass waits for
 
     @property
     def total_s(self) -> float:
-        return self.exposed_s + self.gradient_exposed_s
+        return self.exposed_s + self.gradient_exposed_s + self.gather_exposed_s
 
     @property
     def gradient_hidden_s(self) -> float:
         return self.gradient_s - self.gradient_exposed_s
+
+    @property
+    def gather_hidden_s(self) -> float:
+        return self.gather_s - self.gather_exposed_s
 
 
 def arm_item(fanout, arm, choice: dict[str, int]) -> int:
@@ -47,7 +55,8 @@ def step_time(problem: Problem, choice: dict[str, int], recomputed=()) -> StepTi
         used = {arm_item(fanout, arm, choice) for arm in fanout.arms} - {-1}
         exposed += sum(fanout.cost_s[k] for k in used)
     gradient, waited = chain_times_s(problem.chain, choice) if problem.chain else (0.0, 0.0)
-    return StepTime(exposed, gradient, waited)
+    gather, delayed = prefetch_times_s(problem.prefetch, choice) if problem.prefetch else (0.0, 0.0)
+    return StepTime(exposed, gradient, waited, gather, delayed)
 
 
 def memory_bytes(problem: Problem, choice: dict[str, int], recomputed=()) -> int:

@@ -49,6 +49,9 @@ class Strategy:
     # a parameter's optimizer state split over these mesh axes, where the parameter itself is whole (ZeRO-1):
     # each device steps its slice and the updated parameter is all-gathered (`autotp.runtime.optimizer`)
     optimizer_axes: tuple = ()
+    # ZeRO-2: the gradient is reduce-scattered straight into the optimizer state's slice, so each device keeps
+    # only its 1/n of it (`autotp.lower.reducer`); needs a parameter with one use, taken as it is laid out
+    gradient_split: bool = False
 
     def grad_allreduce_axes(self, i: int) -> tuple[int, ...]:
         """Mesh axes on which input ``i``'s local gradient is a partial sum although the input is R.
@@ -70,7 +73,8 @@ class Strategy:
         ins = ", ".join("".join(str(p) for p in layout) for layout in self.ins)
         impl = f" [{self.impl}]" if self.impl else ""
         if self.optimizer_axes:
-            impl += f" [optimizer state split on axes {','.join(str(a) for a in self.optimizer_axes)}]"
+            what = "optimizer state and gradient" if self.gradient_split else "optimizer state"
+            impl += f" [{what} split on axes {','.join(str(a) for a in self.optimizer_axes)}]"
         return f"({ins}) -> {''.join(str(p) for p in self.out)}{impl}"
 
 

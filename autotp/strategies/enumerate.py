@@ -49,19 +49,24 @@ def enumerate_strategies(graph: OpGraph, mesh_shape, registry, optimizer_shardin
 
 
 def optimizer_variants(strategy: Strategy, mesh_shape) -> list[Strategy]:
-    """``strategy`` with its optimizer state split (ZeRO-1) on each axis where the parameter is whole.
+    """``strategy`` with its optimizer state split on each axis where the parameter is whole: ZeRO-1 and 2.
 
-    One variant per such axis of size > 1, and one over all of them when the
+    One split per such axis of size > 1, and one over all of them when the
     parameter is whole on every axis of size > 1 (the whole mesh is one group):
 
         mesh 2x4, layout (R, S(0)) -> optimizer state split on axis 0
         mesh 2x4, layout (R, R)    -> on axis 0, on axis 1, on both
+
+    Each split comes twice: the gradient whole (ZeRO-1) and the gradient
+    reduce-scattered into the slice (ZeRO-2). The second is the cheaper in
+    time and memory wherever it can be, but it can be only where the
+    gradient is summed over every axis of the split (`autotp.solve.problem.split_gradient_axes`).
     """
     whole = tuple(a for a, p in enumerate(strategy.out) if p == R and mesh_shape[a] > 1)
     axes = [(a,) for a in whole]
     if len(whole) > 1 and len(whole) == sum(size > 1 for size in mesh_shape):
         axes.append(whole)
-    return [replace(strategy, optimizer_axes=a) for a in axes]
+    return [replace(strategy, optimizer_axes=a, gradient_split=g) for g in (False, True) for a in axes]
 
 
 def _strategies_of(op, mesh_shape, registry) -> tuple[list[Strategy], str | None]:
