@@ -198,7 +198,7 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
         try:
             solution = solve(problem, time_limit_s, limit, solver, beat_s=beat_s)
         except MemoryInfeasible as exc:
-            raise memory_limit_error(graph, problem, exc.smallest, mesh, training, limit) from None
+            raise memory_limit_error(graph, problem, exc.smallest, mesh, training, limit, whole_outputs) from None
         stage.detail = f"{solution.variables:,} variables"
     result = assemble_plan(graph, problem, solution, mesh, profile, training, dict(captured.specs), whole_outputs)
     result.scopes = node_scopes(captured.gm)
@@ -234,9 +234,9 @@ _HINTS = {
 }
 
 
-def memory_limit_error(graph, problem, smallest, mesh, training, limit) -> MemoryLimitError:
+def memory_limit_error(graph, problem, smallest, mesh, training, limit, whole_outputs: bool = False) -> MemoryLimitError:
     """The error for a limit no plan meets: the least memory any plan needs, and its largest term."""
-    terms = plan_memory(graph, problem, smallest, chosen_strategies(problem, smallest), mesh, training)
+    terms = plan_memory(graph, problem, smallest, chosen_strategies(problem, smallest), mesh, training, whole_outputs)
     dominant = max(TERMS, key=lambda t: terms[t])
     levers = ["every split of every op"]
     if any(s.optimizer_axes for options in problem.strategies.by_node.values() for s in options):

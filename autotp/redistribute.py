@@ -228,6 +228,15 @@ def is_gradient_sum(steps, mesh_shape) -> bool:
     return bool(real) and all(s.kind in GRAD_KINDS for s in real)
 
 
+def gathers(steps, mesh_shape) -> bool:
+    """Whether ``steps`` all-gather a split (``S(d) -> R``): the use then holds a buffer of its own.
+
+    The all-gather inside a hierarchical sum's form is not one: a sum's
+    result takes the place of the partial sum it reduces.
+    """
+    return any(s.forward_kind == ALL_GATHER and not s.form and mesh_shape[s.axis] > 1 for s in steps)
+
+
 def step_units(steps) -> list[list[Step]]:
     """The steps grouped as the lowering runs them: one module per step, one per hierarchical gradient sum."""
     units = []

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import autotp  # noqa: E402
 import shapes  # noqa: E402
+from autotp.capture.micro import micro_batch  # noqa: E402
 from autotp.report.baselines import baseline_plans  # noqa: E402
 from autotp.units import format_bytes  # noqa: E402
 
@@ -70,16 +71,21 @@ def report(name: str) -> None:
 
 
 def compare(model, mesh, args, kwargs, params: int, tokens: int, autotp_s: float) -> None:
-    """Megatron-LM's recipe costed in the same model: TP + SP on the fast axis, with the same memory levers."""
-    baseline, = baseline_plans(model, mesh, args, kwargs, names=("megatron-sp",), profile="h100-hgx")
-    if baseline.plan is None:
-        print(f"megatron-style (TP+SP on tp, ZeRO and recomputation as needed, 1 micro-batch): n/a, "
-              f"{baseline.reason.splitlines()[0]}")
-    else:
+    """Megatron-LM's recipe costed in the same model: TP + SP on the fast axis, its distributed optimizer and
+    recomputation as the limit needs them; the step as one micro-batch, and as micro-batches of one sequence
+    per data-parallel rank (Megatron's usual micro-batch size)."""
+    for k in dict.fromkeys((1, args[0].shape[0] // mesh.shape[0])):
+        margs, mkwargs = micro_batch(args, kwargs, k)
+        what = f"megatron-style (TP+SP on tp, ZeRO and recomputation as needed, {k} micro-batch(es) a step)"
+        baseline, = baseline_plans(model, mesh, margs, mkwargs, names=("megatron-sp",), profile="h100-hgx",
+                                   micro_batches=k)
+        if baseline.plan is None:
+            print(f"{what}: n/a, {baseline.reason.splitlines()[0]}")
+            continue
         p = baseline.plan
         mfu = 6 * params * tokens / (p.predicted["total_s"] * mesh.size * PEAK_FLOPS)
-        print(f"megatron-style (TP+SP on tp, ZeRO and recomputation as needed, 1 micro-batch): "
-              f"{p.predicted['total_s'] * 1e3:.1f} ms, MFU {mfu:.1%}, {len(p.recompute)} layers recomputed; "
+        print(f"{what}: {p.predicted['total_s'] * 1e3:.1f} ms, MFU {mfu:.1%}, {len(p.recompute)} layers "
+              f"recomputed, optimizer state split for {len(p.optimizer_sharding)} parameters; "
               f"autotp / megatron-style = {autotp_s / p.predicted['total_s']:.3f}")
     print("FSDP (ZeRO-3 over every device): not in autotp's search space yet (parameters are never stored split "
           "and gathered at use)")

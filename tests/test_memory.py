@@ -50,3 +50,31 @@ def test_sizes():
     assert parse_bytes("80GB") == 80 * 10 ** 9 and parse_bytes("64MiB") == 64 * 2 ** 20 and parse_bytes(7) == 7
     with pytest.raises(ValueError, match="80GB"):
         parse_bytes("lots")
+
+
+def test_a_gathered_weight_kept_for_backward_counts_and_the_ilp_counts_it_alike():
+    """Stored split, used whole by a data-parallel matmul: the all-gathered copy lives until backward."""
+    from autotp.graph.opgraph import KIND_PARAM
+    from autotp.solve.constraints import data_parallel_only
+
+    torch.manual_seed(0)
+    model, inputs = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)), (
+        torch.randn(8, 16),)
+    mesh = autotp.Mesh("2", links="nvlink")
+    options = dict(profile="h100-hgx", optimizer_sharding=False, recompute=False, micro_batches=1,
+                   allow=lambda op, s: op.kind == KIND_PARAM or data_parallel_only(op, s))
+    whole = autotp.plan(model, mesh, inputs, pin={"0.weight": ("R",)}, **options)
+    split = autotp.plan(model, mesh, inputs, pin={"0.weight": ("S(0)",)}, **options)
+    assert [(c["kind"], c["bytes"]) for c in split.collectives if c["phase"] == "forward"] == [("all_gather", 2048)], \
+        split.collectives
+    assert split.memory["activations"] - whole.memory["activations"] == 32 * 16 * 4  # the whole fp32 weight
+    # the ILP's memory row is the report's: the plan fits a limit of exactly its memory, and any plan made
+    # under a tighter one (another split of the activations) reports no more than it
+    assert autotp.plan(model, mesh, inputs, pin={"0.weight": ("S(0)",)}, memory_limit=split.memory["total"],
+                       **options).memory == split.memory
+    for limit in (split.memory["total"] - 1, split.memory["total"] - 1024):
+        try:
+            tighter = autotp.plan(model, mesh, inputs, pin={"0.weight": ("S(0)",)}, memory_limit=limit, **options)
+        except MemoryLimitError:
+            continue
+        assert tighter.memory["total"] <= limit

@@ -3,7 +3,8 @@
 Small random problems carry every piece of the step model (`autotp.solve.problem`):
 choices with infinite costs, edge tables with impossible pairs, fan-outs whose
 items are paid once however many uses need them (uses inside one group, uses
-with no consumer, uses from single-choice groups), a gradient chain with
+with no consumer, uses from single-choice groups), memory kept on edges and
+fan-out items (gathered inputs kept for backward), a gradient chain with
 repeated blocks (`autotp.solve.chain`), a prefetch chain of ZeRO's
 all-gathers (`autotp.solve.prefetch`), and layer classes that may be
 recomputed (`autotp.solve.recompute`: forward seconds again, bytes freed,
@@ -55,6 +56,9 @@ def _random_problem(rng: random.Random) -> Problem:
             edges[u, v] = [[_level(rng) if rng.random() > 0.15 else math.inf for _ in range(groups[v].n)]
                            for _ in range(groups[u].n)]
     problem = Problem(groups, {name: name for name in names}, edges, None)
+    for e in edges:  # a use that gathers its input and keeps it for backward holds memory per pair
+        if rng.random() < 0.3:
+            problem.edge_memory[e] = [[rng.choice([0, 1, 2]) * _BYTES for _ in row] for row in edges[e]]
     for _ in range(rng.randint(0, 3)):
         problem.fanouts.append(_random_fanout(rng, problem))
     if rng.random() < 0.7:
@@ -105,9 +109,13 @@ def _random_fanout(rng, problem: Problem) -> FanOut:
             items.append(row)
         fanout.arms.append(Arm(consumer, items))
     # items with one ident must cost alike: the reduction relies on it, as the real problem guarantees
-    by_ident = {}
+    if rng.random() < 0.5:  # some items are gathered inputs their uses keep for backward
+        fanout.memory_bytes = [rng.choice([0, 1, 2]) * _BYTES for _ in fanout.cost_s]
+    by_ident, kept = {}, {}
     for k, ident in enumerate(fanout.ident):
         fanout.cost_s[k] = by_ident.setdefault(ident, fanout.cost_s[k])
+        if fanout.memory_bytes:
+            fanout.memory_bytes[k] = kept.setdefault(ident, fanout.memory_bytes[k])
     return fanout
 
 

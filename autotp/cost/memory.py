@@ -76,6 +76,26 @@ def node_memory_bytes(op, strategy, mesh, training: bool, precision: str = AUTO,
     return {}
 
 
+# ops whose backward reads their (floating) inputs, so autograd keeps them: a matmul's gradient for one
+# operand needs the other; attention's needs q, k and v
+SAVES_INPUTS = frozenset({"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "convolution", "mul",
+                          "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"})
+
+
+def kept_input_bytes(op, i: int, layout, mesh, training: bool) -> int:
+    """Bytes of input ``i`` of ``op``, in ``layout``, that autograd keeps for the backward pass, or 0.
+
+    Counted where the input arrives through an all-gather (a buffer of its
+    own, as a parameter gathered over the data-parallel axis): an op's own
+    outputs are counted as its activations, and a local slice is a view.
+    """
+    meta = op.in_metas[i]
+    if not (training and op.requires_grad and meta.is_float) or getattr(op.target, "_opname", "") not in SAVES_INPUTS:
+        return 0
+    return local_bytes(meta, layout, mesh.shape)
+
+
 def memory_by_term(graph, chosen: dict, mesh, training: bool, precision: str = AUTO,
                    micro_batches: int = 1) -> dict[str, int]:
     """Bytes per device for ``chosen`` (node name -> Strategy), split into named terms."""

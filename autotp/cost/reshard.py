@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 
 from autotp.cost.comm import DEFAULT_BUCKET_BYTES, bucketed_step_time_s, step_time_s
-from autotp.redistribute import Unsupported, is_gradient_sum, step_options
+from autotp.redistribute import Unsupported, gathers, is_gradient_sum, step_options
 
 
 def step_seconds(steps, mesh, profile, grad: bool, deferred: bool = False,
@@ -69,9 +69,15 @@ def cheapest_steps(src, dst, meta, mesh, profile, grad: bool, grad_axes=(), defe
 def edge_times_s(src, dst, meta, mesh, profile, training: bool, requires_grad: bool, grad_axes=(),
                  deferred: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[float, float]:
     """``(exposed, gradient)`` seconds to turn ``src`` into ``dst``; ``(inf, 0)`` if impossible."""
+    return edge_cost(src, dst, meta, mesh, profile, training, requires_grad, grad_axes, deferred, bucket_bytes)[:2]
+
+
+def edge_cost(src, dst, meta, mesh, profile, training: bool, requires_grad: bool, grad_axes=(),
+              deferred: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[float, float, bool]:
+    """`edge_times_s`, and whether the redistribution all-gathers: the tensor its use gets is a new buffer."""
     grad = training and requires_grad
     try:
         steps = cheapest_steps(src, dst, meta, mesh, profile, grad, grad_axes, deferred, bucket_bytes)
     except Unsupported:
-        return math.inf, 0.0
-    return steps_times_s(steps, mesh, profile, grad, deferred, bucket_bytes)
+        return math.inf, 0.0, False
+    return (*steps_times_s(steps, mesh, profile, grad, deferred, bucket_bytes), gathers(steps, mesh.shape))

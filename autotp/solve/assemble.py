@@ -13,11 +13,11 @@ from __future__ import annotations
 from autotp.cost.comm import (collective_time_s, gradient_slice_time_s, inner_all_reduces, optimizer_gather,
                               optimizer_time_s)
 from autotp.cost.compute import compute_time_s
-from autotp.cost.memory import memory_by_term
+from autotp.cost.memory import kept_input_bytes, memory_by_term
 from autotp.cost.reshard import cheapest_steps, step_seconds
 from autotp.graph.opgraph import KIND_INPUT, KIND_PARAM
 from autotp.placement import layout_str, local_bytes
-from autotp.redistribute import entry_layout
+from autotp.redistribute import entry_layout, gathers, plan_steps
 from autotp.solve.plan import NodePlan, Plan
 from autotp.solve.problem import (OUTPUT, deferred_parameters, output_layout, split_gradient_axes, use_target,
                                   uses_of)
@@ -81,6 +81,25 @@ def optimizer_collectives(op, strategy, mesh, profile) -> list[dict]:
              "time_s": _round(optimizer_time_s(op, strategy, mesh, profile))}]
 
 
+def distinct_uses(graph, chosen, mesh, training, whole_outputs=False):
+    """Per distinct redistribution of a tensor (as the lowering shares them): ``(producer, uses, meta, dst, grad,
+    summed, split)``, ``uses`` the ``(consumer, input)`` pairs that share it, in program order.
+
+    ``split`` is the producer's ZeRO-2 axes, ``summed`` the axes its gradient is still all-reduced over.
+    """
+    for producer, uses in uses_of(graph).items():
+        shared: dict[tuple, list] = {}
+        for consumer, i in uses:
+            strategy = None if consumer == OUTPUT else chosen[consumer]
+            meta, dst, grad, axes = use_target(graph, mesh, training, whole_outputs, producer, consumer, i,
+                                               chosen[producer].out, strategy)
+            shared.setdefault((dst, grad, axes), [meta]).append((consumer, i))
+        made = chosen[producer]
+        split = made.optimizer_axes if made.gradient_split else ()
+        for (dst, grad, axes), (meta, *sharing) in shared.items():
+            yield producer, sharing, meta, dst, grad, split_gradient_axes(split, made.out, dst, grad, axes), split
+
+
 def all_collectives(graph, chosen, mesh, profile, training, whole_outputs=False, deferred=frozenset(),
                     bucket_bytes: int = 0) -> list[dict]:
     """The collectives of the lowered program; uses of one tensor in one layout share them."""
@@ -88,25 +107,27 @@ def all_collectives(graph, chosen, mesh, profile, training, whole_outputs=False,
     for op in graph.nodes():
         out += inner_collectives(op, chosen[op.name], mesh, profile)
         out += optimizer_collectives(op, chosen[op.name], mesh, profile)
-    for producer, uses in uses_of(graph).items():
-        seen = set()
-        for consumer, i in uses:
-            strategy = None if consumer == OUTPUT else chosen[consumer]
-            meta, dst, grad, axes = use_target(graph, mesh, training, whole_outputs, producer, consumer, i,
-                                               chosen[producer].out, strategy)
-            if (dst, grad, axes) in seen:
-                continue
-            seen.add((dst, grad, axes))
-            node, index = ("output", 0) if consumer == OUTPUT else (consumer, i)
-            made = chosen[producer]
-            split = made.optimizer_axes if made.gradient_split else ()
-            summed = split_gradient_axes(split, made.out, dst, grad, axes)
-            out += edge_collectives(mesh, profile, training, node, producer, index, made.out, dst, meta,
-                                    grad, summed, producer in deferred, bucket_bytes)
-            if split:
-                out.append(gradient_slice_collective(mesh, profile, node, producer, index, made.out, meta, split,
-                                                     bucket_bytes))
+    for producer, uses, meta, dst, grad, summed, split in distinct_uses(graph, chosen, mesh, training, whole_outputs):
+        consumer, i = uses[0]
+        node, index = ("output", 0) if consumer == OUTPUT else (consumer, i)
+        src = chosen[producer].out
+        out += edge_collectives(mesh, profile, training, node, producer, index, src, dst, meta, grad, summed,
+                                producer in deferred, bucket_bytes)
+        if split:
+            out.append(gradient_slice_collective(mesh, profile, node, producer, index, src, meta, split,
+                                                 bucket_bytes))
     return out
+
+
+def kept_gathered_bytes(graph, chosen, mesh, training, whole_outputs=False) -> int:
+    """Bytes of all-gathered inputs that their consumers keep for backward (`autotp.cost.memory.kept_input_bytes`):
+    one buffer per distinct redistribution, kept if any use that shares it keeps it."""
+    kept = 0
+    for producer, uses, meta, dst, grad, summed, split in distinct_uses(graph, chosen, mesh, training, whole_outputs):
+        if gathers(plan_steps(chosen[producer].out, dst, meta, mesh.shape), mesh.shape):
+            kept += max(kept_input_bytes(graph.node(c), i, dst, mesh, training) if c != OUTPUT else 0
+                        for c, i in uses)
+    return kept
 
 
 def gradient_slice_collective(mesh, profile, node, producer, index, layout, meta, split, bucket_bytes) -> dict:
@@ -144,12 +165,14 @@ def calls_per_step(record: dict, micro_batches: int) -> int:
     return 1 if record["phase"] == "step" or record.get("bucketed") else micro_batches
 
 
-def plan_memory(graph, problem, solution, chosen, mesh, training) -> dict[str, int]:
-    """Memory per device by term; recomputed layers keep fewer activations, and rebuild one layer's at a time."""
+def plan_memory(graph, problem, solution, chosen, mesh, training, whole_outputs: bool = False) -> dict[str, int]:
+    """Memory per device by term; recomputed layers keep fewer activations, and rebuild one layer's at a time;
+    all-gathered inputs kept for backward count as activations."""
     terms = memory_by_term(graph, chosen, mesh, training, problem.precision, problem.micro_batches)
     _, freed, transient = recompute_effect(problem, solution.choice, solution.recompute)
-    terms["activations"] += transient - freed
-    terms["total"] += transient - freed
+    extra = kept_gathered_bytes(graph, chosen, mesh, training, whole_outputs) + transient - freed
+    terms["activations"] += extra
+    terms["total"] += extra
     return terms
 
 
@@ -178,7 +201,7 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
                    "gather_s": step.gather_s, "gather_hidden_s": step.gather_hidden_s,
                    "hidden_s": step.gradient_hidden_s + step.gather_hidden_s,
                    "total_s": step.total_s, "objective_s": solution.objective_s},
-        memory=plan_memory(graph, problem, solution, chosen, mesh, training),
+        memory=plan_memory(graph, problem, solution, chosen, mesh, training, whole_outputs),
         inputs=inputs,
         ilp={"groups": len(problem.groups), "edges": len(problem.edges), "fanouts": len(problem.fanouts),
              "variables": solution.variables, "constraints": solution.constraints, "ops": len(graph),

@@ -94,8 +94,16 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
     for (gu, gv), table in problem.edges.items():
         y[gu, gv] = _pair_variables(lp, x[gu], x[gv], reduced.pairs[gu, gv], f"{_safe(gu)}__{_safe(gv)}")
         objective += _terms(y[gu, gv], table)
+    counts_memory = minimise == "memory" or memory_limit_bytes is not None
+    for w, seconds, nbytes in _fanout_items(lp, problem, x, y, every=minimise == "time"):
+        if minimise == "time":
+            objective.append(seconds * _SCALE * w)
+        if counts_memory and nbytes:
+            memory.append(nbytes / _BYTES * w)
+    if counts_memory:
+        for e, table in problem.edge_memory.items():
+            memory += [table[i][j] / _BYTES * v for (i, j), v in y[e].items() if table[i][j]]
     if minimise == "time":
-        objective += _fanout_terms(lp, problem, x, y)
         if problem.chain is not None:
             objective.append(_chain_wait(lp, problem.chain, x, y))
         if problem.prefetch is not None:
@@ -151,8 +159,12 @@ def _use_indicator(problem: Problem, x: dict, y: dict, fanout, arm, i: int, j: i
     return y[gu, gv].get((i, j))
 
 
-def _fanout_terms(lp, problem: Problem, x: dict, y: dict) -> list:
-    """Each fan-out item costs once if any use needs it: ``w >= (use needs it)`` per use, ``w`` in the objective."""
+def _fanout_items(lp, problem: Problem, x: dict, y: dict, every: bool) -> list[tuple]:
+    """``(w, seconds, bytes)`` per fan-out item: ``w >= (a use needs it)`` per use, so it is paid once.
+
+    ``every`` item (the time objective), or only those holding a gathered
+    input kept for backward (bytes for the memory row).
+    """
     terms = []
     for f, fanout in enumerate(problem.fanouts):
         needs: dict[int, dict[int, list]] = {}  # item -> use -> indicators of needing it
@@ -163,10 +175,13 @@ def _fanout_terms(lp, problem: Problem, x: dict, y: dict) -> list:
                     if indicator is not None:
                         needs.setdefault(item, {}).setdefault(a, []).append(indicator)
         for item, by_arm in needs.items():
+            nbytes = fanout.memory_bytes[item] if fanout.memory_bytes else 0
+            if not (every or nbytes):
+                continue
             w = pulp.LpVariable(f"w_{_safe(fanout.producer)}_{f}_{item}", lowBound=0)
             for a, indicators in by_arm.items():
                 lp += w >= pulp.lpSum(indicators), f"need_{f}_{item}_{a}"
-            terms.append(fanout.cost_s[item] * _SCALE * w)
+            terms.append((w, fanout.cost_s[item], nbytes))
     return terms
 
 
@@ -261,6 +276,9 @@ def _run(lp, x, time_limit_s, solver: str = "cbc") -> Solution:
                     recompute)
 
 
+_BOUND_MARGIN = 1e-6  # a relaxation's optimum within the LP solver's tolerance of beat_s proves nothing
+
+
 class NoBetterPlan(Exception):
     """Even without the memory limit this problem's fastest plan is no faster than ``beat_s``."""
 
@@ -276,10 +294,17 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     only when that plan does not fit (then a second solve, under the limit).
     Raises `MemoryInfeasible` carrying the least-memory plan when nothing fits,
     and `NoBetterPlan` when the fastest plan, limit or not, is no faster than
-    ``beat_s`` (a plan found another way: the limited solve is not needed).
+    ``beat_s`` (a plan found another way: the limited solve is not needed),
+    first tried on the LP relaxation's bound, which often settles it alone.
     """
     solver = backends.resolve(solver)
-    free = _run(*_model(problem, "time", None, reduce), time_limit_s, solver)
+    lp, x = _model(problem, "time", None, reduce)
+    if beat_s is not None and time_limit_s is None:  # the LP relaxation bounds the fastest plan from below,
+        # at a fraction of the MIP's time (its values would spoil a time-limited solve's warm start)
+        bound = lp_relaxation_bound(lp)
+        if bound is not None and bound / _SCALE >= beat_s * (1 + _BOUND_MARGIN):
+            raise NoBetterPlan(f"at least {bound / _SCALE:.6g} s (LP relaxation) >= {beat_s:.6g} s")
+    free = _run(lp, x, time_limit_s, solver)
     if beat_s is not None and free.status == "Optimal" and free.objective_s / _SCALE >= beat_s:
         raise NoBetterPlan(f"{free.objective_s / _SCALE:.6g} s >= {beat_s:.6g} s")
     if memory_limit_bytes is None or (free.status == "Optimal"

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 from autotp.cost.comm import DEFAULT_BUCKET_BYTES, gradient_slice_time_s, inner_time_s, optimizer_time_s
 from autotp.cost.compute import compute_time_s
-from autotp.cost.memory import AUTO, node_memory_bytes
-from autotp.cost.reshard import edge_times_s
+from autotp.cost.memory import AUTO, kept_input_bytes, node_memory_bytes
+from autotp.cost.reshard import edge_cost
 from autotp.graph.opgraph import KIND_PARAM, OpGraph
 from autotp.placement import R, Shard, local_bytes
 from autotp.solve.chain import Chain, build_chain
@@ -86,6 +86,7 @@ class FanOut:
     arms: list[Arm]
     cost_s: list[float]  # per item, already times the number of identical fan-outs
     ident: list[tuple]
+    memory_bytes: list[int] = field(default_factory=list)  # per item: a gathered copy a use keeps for backward
 
 
 @dataclass
@@ -96,6 +97,8 @@ class Problem:
     group_of: dict[str, str]
     edges: dict[tuple[str, str], list[list[float]]]  # exposed seconds per pair of choices; inf: impossible
     strategies: OpStrategies
+    # bytes per pair of choices a use keeps for backward (an all-gathered input of a matmul), where any is
+    edge_memory: dict[tuple[str, str], list[list[int]]] = field(default_factory=dict)
     fanouts: list[FanOut] = field(default_factory=list)
     chain: Chain | None = None  # None: gradient sums are not overlapped (all their time is exposed)
     prefetch: Chain | None = None  # None: ZeRO's parameter all-gathers are not overlapped (or there are none)
@@ -265,12 +268,13 @@ class _Coster:
         """Whether ``op``'s all-gather after the optimizer step goes to the prefetch chain (`build_prefetch`)."""
         return self.training and self.overlap and bool(self.graph.consumers(op.name))
 
-    def use(self, producer: str, consumer: str, i: int, cu: int, cv: int) -> tuple[tuple | None, float, float]:
-        """``(target key, exposed, gradient)`` seconds of one use for one pair of choices.
+    def use(self, producer: str, consumer: str, i: int, cu: int, cv: int) -> tuple[tuple | None, float, float, int]:
+        """``(target key, exposed, gradient, kept)`` of one use for one pair of choices: seconds, and bytes.
 
         The key is what the lowering shares a redistribution by (`use_target`).
         ``None`` with infinite time: the pair cannot be (the pieces of a split
-        are taken as produced).
+        are taken as produced). ``kept``: the bytes of an all-gathered input
+        the consumer keeps for its backward (`kept_input_bytes`).
         """
         made = self.problem.strategy(producer, cu)
         src = made.out
@@ -278,21 +282,24 @@ class _Coster:
         meta, dst, grad, axes = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer,
                                            consumer, i, src, strategy)
         if consumer != OUTPUT and self.graph.node(producer).multi_output and src != dst:
-            return None, math.inf, 0.0
+            return None, math.inf, 0.0, 0
         split = made.optimizer_axes if made.gradient_split else ()
         summed = split_gradient_axes(split, src, dst, grad, axes)
         if summed is None:
-            return None, math.inf, 0.0
+            return None, math.inf, 0.0, 0
         deferred = producer in self.deferred
         memo = (src, dst, meta, grad, summed, deferred, split)
         if memo not in self.memo:
-            exposed, gradient = edge_times_s(src, dst, meta, self.mesh, self.profile, self.training, grad, summed,
-                                             deferred, self.problem.bucket_bytes)
+            exposed, gradient, gathers = edge_cost(src, dst, meta, self.mesh, self.profile, self.training, grad,
+                                                   summed, deferred, self.problem.bucket_bytes)
             if split:
                 gradient += gradient_slice_time_s(split, local_bytes(meta, src, self.mesh.shape), self.mesh,
                                                   self.profile, self.problem.bucket_bytes)
-            self.memo[memo] = exposed, gradient
-        return (dst, grad, axes), *self.memo[memo]
+            self.memo[memo] = exposed, gradient, gathers
+        exposed, gradient, gathers = self.memo[memo]
+        kept = (kept_input_bytes(self.graph.node(consumer), i, dst, self.mesh, self.training)
+                if gathers and consumer != OUTPUT else 0)
+        return (dst, grad, axes), exposed, gradient, kept
 
     def gradient_table(self, producer: str, consumer: str, i: int) -> list[list[float]]:
         """The gradient seconds of a deferred use, per pair of choices of its two groups.
@@ -322,7 +329,7 @@ class _Coster:
             for cu in range(self.problem.groups[gu].n):
                 row = []
                 for cv in ([cu] if gv == gu else range(nv)):
-                    key, exposed, _ = self.use(producer, consumer, i, cu, cv)
+                    key, exposed, _, kept = self.use(producer, consumer, i, cu, cv)
                     if math.isinf(exposed):
                         self._forbid(gu, gv, cu, cv)
                     if key is None or exposed == 0:
@@ -332,7 +339,10 @@ class _Coster:
                         index[cu, key] = len(fanout.cost_s)
                         fanout.cost_s.append(count * exposed)
                         fanout.ident.append((self.problem.strategy(producer, cu).out, key))
-                    row.append(index[cu, key])
+                        fanout.memory_bytes.append(0)
+                    k = index[cu, key]
+                    fanout.memory_bytes[k] = max(fanout.memory_bytes[k], count * kept)  # one buffer, kept if any use does
+                    row.append(k)
                 items.append(row)
             fanout.arms.append(Arm(gv, items))
             if gv is not None and gv != gu and self.problem.groups[gu].n > 1 and nv > 1:
@@ -363,16 +373,24 @@ class _Coster:
         nu, nv = groups[gu].n, groups[gv].n
         if gu == gv:  # both ends are fixed by the same choice
             for c in range(nu):
-                groups[gu].cost_s[c] += count * self.use(producer, consumer, i, c, c)[1]
+                _, exposed, _, kept = self.use(producer, consumer, i, c, c)
+                groups[gu].cost_s[c] += count * exposed
+                groups[gu].memory_bytes[c] += count * kept
             return
-        pairs = [[self.use(producer, consumer, i, cu, cv)[1] for cv in range(nv)] for cu in range(nu)]
+        pairs = [[self.use(producer, consumer, i, cu, cv) for cv in range(nv)] for cu in range(nu)]
         if nu == 1 or nv == 1:  # fold into the side that has a choice
             for cu in range(nu):
                 for cv in range(nv):
                     target, c = (groups[gv], cv) if nu == 1 else (groups[gu], cu)
-                    target.cost_s[c] += count * pairs[cu][cv]
+                    target.cost_s[c] += count * pairs[cu][cv][1]
+                    target.memory_bytes[c] += count * pairs[cu][cv][3]
             return
         table = self._table(gu, gv)
         for cu in range(nu):
             for cv in range(nv):
-                table[cu][cv] += count * pairs[cu][cv]
+                table[cu][cv] += count * pairs[cu][cv][1]
+        if any(use[3] for row in pairs for use in row):
+            memory = self.problem.edge_memory.setdefault((gu, gv), [[0] * nv for _ in range(nu)])
+            for cu in range(nu):
+                for cv in range(nv):
+                    memory[cu][cv] += count * pairs[cu][cv][3]

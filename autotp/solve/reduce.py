@@ -23,6 +23,9 @@ The bounds, per piece of the step model (`autotp.solve.problem`):
 * a fan-out item is paid once whoever needs it, so a switch that keeps a use
   on the same redistribution (same source layout and target) adds nothing,
   and any other may add the new item's whole cost (and saves at least 0);
+* memory adds up over groups and over the gathered inputs kept for
+  backward, which live on edges (the difference) and fan-out items (paid
+  once, as the time's);
 * the gradient chain's wait (`autotp.solve.chain`) grows with every gradient
   sum and shrinks with every second of backward compute, by at most the
   change: the bound adds the positive part of each term's change; the same
@@ -108,27 +111,23 @@ def _switch(items: np.ndarray, cost: np.ndarray, ident: np.ndarray) -> np.ndarra
     return np.where(ident[new] == ident[old], 0.0, cost[new])
 
 
-class _TimeBounds:
-    """The step time's switch bounds: exact differences, fan-out items, and the chain's positive parts."""
+class _Bounds:
+    """Switch bounds per group (``node[g][k, j]``) and per edge (terms that ``edge`` turns into ``E[k, j, m]``)."""
 
-    def __init__(self, problem: Problem, recompute: bool = False):
-        self.problem = problem
-        self.node = {g: _finite(group.cost_s)[:, None] - _finite(group.cost_s)[None, :]
-                     for g, group in problem.groups.items()}
-        self.edge_terms: dict[tuple, list] = {e: [("diff", _finite(t))] for e, t in problem.edges.items()}
-        self._add_fanouts()
-        for chain in (problem.chain, problem.prefetch):
-            if chain is not None:
-                self._add_chain(chain)
-        if recompute:  # a recomputed class runs its forward again: the switch may add the rise of that time
-            for rc in problem.recompute:
-                for g, values in rc.forward_s.items():
-                    self.node[g] = self.node[g] + _rise(np.array(values, dtype=float))
+    def __init__(self, problem: Problem, node: dict, edges: dict):
+        self.problem, self.node = problem, node
+        self.edge_terms: dict[tuple, list] = {e: [] for e in problem.edges}
+        for e, table in edges.items():
+            self.edge_terms[e].append(("diff", _finite(table)))
 
-    def _add_fanouts(self) -> None:
+    def _add_fanouts(self, cost_of) -> None:
+        """Fan-out items at ``cost_of(fanout)`` each: paid once, whoever needs them."""
         groups = self.problem.groups
         for fanout in self.problem.fanouts:
-            cost = np.append(np.array(fanout.cost_s, dtype=float), 0.0)  # index -1: nothing
+            costs = cost_of(fanout)
+            if not any(costs):
+                continue
+            cost = np.append(np.array(costs, dtype=float), 0.0)  # index -1: nothing
             ids = {ident: k for k, ident in enumerate(dict.fromkeys(fanout.ident))}
             ident = np.append(np.array([ids[i] for i in fanout.ident]), -1)
             gu = fanout.producer
@@ -141,19 +140,6 @@ class _TimeBounds:
                     self.node[gv] = self.node[gv] + _switch(items[0], cost, ident)
                 else:
                     self.edge_terms[gu, gv].append(("shared", items, cost, ident))
-
-    def _add_chain(self, chain) -> None:
-        for block in chain.blocks:
-            n = block.repeat  # each repeat is one more stage whose terms may rise
-            for stage in block.stages:
-                for g, values in stage.reduce_nodes.items():
-                    self.node[g] = self.node[g] + n * _rise(np.array(values, dtype=float))
-                for e, table in stage.reduce_pairs.items():
-                    self.edge_terms[e].append(("rise", n * np.array(table, dtype=float)))
-                for g, values in stage.before.items():
-                    self.node[g] = self.node[g] + n * _rise(-np.array(values, dtype=float))
-        for g, values in chain.after.items():
-            self.node[g] = self.node[g] + _rise(-np.array(values, dtype=float))
 
     def edge(self, e, side: int) -> np.ndarray:
         """``E[k, j, m]`` for the group at ``side`` of ``e`` switching ``j`` to ``k``, the other end on ``m``."""
@@ -169,19 +155,46 @@ class _TimeBounds:
         return total
 
 
-class _MemoryBounds:
-    """Memory per device adds up over groups: the bound is the difference (and what recomputing frees)."""
+class _TimeBounds(_Bounds):
+    """The step time's switch bounds: exact differences, fan-out items, and the chains' positive parts."""
 
     def __init__(self, problem: Problem, recompute: bool = False):
-        self.node = {g: _finite(group.memory_bytes)[:, None] - _finite(group.memory_bytes)[None, :]
-                     for g, group in problem.groups.items()}
+        super().__init__(problem, {g: _finite(group.cost_s)[:, None] - _finite(group.cost_s)[None, :]
+                                   for g, group in problem.groups.items()}, problem.edges)
+        self._add_fanouts(lambda fanout: fanout.cost_s)
+        for chain in (problem.chain, problem.prefetch):
+            if chain is not None:
+                self._add_chain(chain)
+        if recompute:  # a recomputed class runs its forward again: the switch may add the rise of that time
+            for rc in problem.recompute:
+                for g, values in rc.forward_s.items():
+                    self.node[g] = self.node[g] + _rise(np.array(values, dtype=float))
+
+    def _add_chain(self, chain) -> None:
+        for block in chain.blocks:
+            n = block.repeat  # each repeat is one more stage whose terms may rise
+            for stage in block.stages:
+                for g, values in stage.reduce_nodes.items():
+                    self.node[g] = self.node[g] + n * _rise(np.array(values, dtype=float))
+                for e, table in stage.reduce_pairs.items():
+                    self.edge_terms[e].append(("rise", n * np.array(table, dtype=float)))
+                for g, values in stage.before.items():
+                    self.node[g] = self.node[g] + n * _rise(-np.array(values, dtype=float))
+        for g, values in chain.after.items():
+            self.node[g] = self.node[g] + _rise(-np.array(values, dtype=float))
+
+
+class _MemoryBounds(_Bounds):
+    """Memory per device adds up: groups, kept gathered inputs on edges and fan-outs, and what recomputing frees."""
+
+    def __init__(self, problem: Problem, recompute: bool = False):
+        super().__init__(problem, {g: _finite(group.memory_bytes)[:, None] - _finite(group.memory_bytes)[None, :]
+                                   for g, group in problem.groups.items()}, problem.edge_memory)
+        self._add_fanouts(lambda fanout: fanout.memory_bytes)
         if recompute:  # a recomputed class frees bytes: the switch may add the fall of what it frees
             for rc in problem.recompute:
                 for g, values in rc.saved_bytes.items():
                     self.node[g] = self.node[g] + _rise(-np.array(values, dtype=float))
-
-    def edge(self, e, side: int):
-        return 0.0
 
 
 class _State:

@@ -62,4 +62,15 @@ def step_time(problem: Problem, choice: dict[str, int], recomputed=()) -> StepTi
 def memory_bytes(problem: Problem, choice: dict[str, int], recomputed=()) -> int:
     """Bytes per device of ``choice``, as the ILP's memory row adds them up (at most: `autotp.solve.recompute`)."""
     _, freed, transient = recompute_effect(problem, choice, recomputed)
-    return sum(group.memory_bytes[choice[name]] for name, group in problem.groups.items()) - freed + transient
+    groups = sum(group.memory_bytes[choice[name]] for name, group in problem.groups.items())
+    return groups + kept_bytes(problem, choice) - freed + transient
+
+
+def kept_bytes(problem: Problem, choice: dict[str, int]) -> int:
+    """Bytes of all-gathered inputs kept for backward that live on edges and fan-outs (not in a group's own)."""
+    kept = sum(table[choice[u]][choice[v]] for (u, v), table in problem.edge_memory.items())
+    for fanout in problem.fanouts:
+        if fanout.memory_bytes:
+            used = {arm_item(fanout, arm, choice) for arm in fanout.arms} - {-1}
+            kept += sum(fanout.memory_bytes[k] for k in used)
+    return kept
