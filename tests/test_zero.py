@@ -32,6 +32,7 @@ import torch
 import autotp
 from autotp.checkpoint import load_sharded, save_sharded
 from autotp.errors import PlanError
+from autotp.graph.opgraph import KIND_PARAM
 from autotp.placement import parse_layout
 from autotp.runtime import shard_optimizer, spawn, wait_parameters
 from autotp.runtime.verify import scaled_error
@@ -139,6 +140,11 @@ def _zero_plans(mesh):
                                                       allow=lambda op, s, f=split: _data_parallel(op, s) and f(op, s))
         plans[f"{stage} tensor_parallel"] = autotp.plan(model, mesh, inputs, profile=compute_bound_profile(),
                                                         allow=split, pin=megatron_pins("gpt", model, mesh))
+    # the gradient summed over both axes, split over dp alone: all-reduced on tp, then reduce-scattered on dp
+    plans["zero2 on dp of a sum over both"] = autotp.plan(
+        model, mesh, inputs, profile=compute_bound_profile(),
+        allow=lambda op, s: _data_parallel(op, s) and (op.kind != KIND_PARAM or not op.requires_grad or (
+            s.optimizer_axes == (0,) and s.gradient_split)))
     return plans
 
 
@@ -209,6 +215,9 @@ def trained(tmp_path_factory):
 
 def test_three_adamw_steps_with_split_optimizer_state_match_one_device(trained):
     plans, per_rank = trained
+    mixed = plans["zero2 on dp of a sum over both"]
+    assert set(map(tuple, mixed.optimizer_sharding.values())) == {("dp",)} and mixed.gradient_sharding
+    assert {c["axis"] for c in mixed.collectives if c.get("bucketed")} == {"tp", "dp"}
     for stage in ("zero1", "zero2"):
         dp, tp = plans[f"{stage} data_parallel"], plans[f"{stage} tensor_parallel"]
         assert set(map(tuple, dp.optimizer_sharding.values())) == {("dp", "tp")}  # the whole mesh: one group of 4
