@@ -78,8 +78,12 @@ def exposed_comm_s(plan) -> float:
 
 def time_line(plan) -> str:
     p = plan.predicted
-    saved = p["comm_s"] - exposed_comm_s(plan)
-    hidden = f", of which {format_seconds(saved)} of gradient sums hidden behind the backward pass" if saved > 1e-12 else ""
+    gathers = p.get("gather_hidden_s", 0.0)
+    sums = p["comm_s"] - exposed_comm_s(plan) - gathers
+    parts = ([f"{format_seconds(sums)} of gradient sums hidden behind the backward pass"] if sums > 1e-12 else []) + (
+        [f"{format_seconds(gathers)} of ZeRO all-gathers hidden behind the next forward pass"] if gathers > 1e-12
+        else [])
+    hidden = f", of which {' and '.join(parts)}" if parts else ""
     return (f"predicted step time: {format_seconds(p['total_s'])} (compute {format_seconds(p['compute_s'])}, "
             f"communication {format_seconds(p['comm_s'])}{hidden})")
 
