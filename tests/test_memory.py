@@ -52,8 +52,10 @@ def test_sizes():
         parse_bytes("lots")
 
 
-def test_a_gathered_weight_kept_for_backward_counts_and_the_ilp_counts_it_alike():
-    """Stored split, used whole by a data-parallel matmul: the all-gathered copy lives until backward."""
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_gathered_weight_kept_for_backward_counts_and_the_ilp_counts_it_alike(micro_batches):
+    """Stored split, used whole by a data-parallel matmul: the all-gathered copy lives until backward (one copy,
+    however many micro-batches: each one's backward frees its own)."""
     from autotp.graph.opgraph import KIND_PARAM
     from autotp.solve.constraints import data_parallel_only
 
@@ -61,7 +63,7 @@ def test_a_gathered_weight_kept_for_backward_counts_and_the_ilp_counts_it_alike(
     model, inputs = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)), (
         torch.randn(8, 16),)
     mesh = autotp.Mesh("2", links="nvlink")
-    options = dict(profile="h100-hgx", optimizer_sharding=False, recompute=False, micro_batches=1,
+    options = dict(profile="h100-hgx", optimizer_sharding=False, recompute=False, micro_batches=micro_batches,
                    allow=lambda op, s: op.kind == KIND_PARAM or data_parallel_only(op, s))
     whole = autotp.plan(model, mesh, inputs, pin={"0.weight": ("R",)}, **options)
     split = autotp.plan(model, mesh, inputs, pin={"0.weight": ("S(0)",)}, **options)

@@ -175,11 +175,18 @@ class _Bucket:
         self.arrived, self.accumulate, self.data, self.step, self.work, self.out = set(), set(), None, -1, None, None
 
     def _keep_slices(self) -> None:
+        comm = self.unit[-1][1]
         for i, e in enumerate(self.entries):
-            if i in self.arrived:
-                piece = self.data[self.offsets[i]:self.offsets[i + 1]]
-                held = getattr(e.param, "autotp_gradient_slice", None)
-                e.param.autotp_gradient_slice = piece if held is None else held.add_(piece)
+            if i not in self.arrived:
+                continue
+            piece = self.data[self.offsets[i]:self.offsets[i + 1]]
+            if i in self.accumulate:  # a whole .grad left from before the slices were kept: its slice joins the sum
+                size = self.offsets[i + 1] - self.offsets[i]
+                whole = torch.nn.functional.pad(e.param.grad.reshape(-1), (0, size * self.slices - e.param.numel()))
+                piece = piece + whole.view(self.slices, size)[comm.index]
+                e.param.grad = None
+            held = getattr(e.param, "autotp_gradient_slice", None)
+            e.param.autotp_gradient_slice = piece if held is None else held.add_(piece)
 
     def _give_whole(self) -> None:
         data = self.data

@@ -62,7 +62,7 @@ class _Slice:
         sliced = getattr(self.param, "autotp_gradient_slice", None)
         if sliced is not None:
             self.shard.grad = sliced[:self.stop - self.start].to(self.shard.dtype, copy=True)
-            self.param.autotp_gradient_slice = None
+            self.param.autotp_gradient_slice = self.param.grad = None
             return
         grad = self.param.grad
         # a copy, not a view: the whole gradient's memory goes with .grad (and holds the all-gather that follows)

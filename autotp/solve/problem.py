@@ -225,7 +225,7 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
     canonical = Counter((sharing.of(p), tuple((sharing.of(v) if v != OUTPUT else v, i) for v, i in u))
                         for p, u in uses.items() if u)
     for (producer, arms), count in canonical.items():
-        coster.add_uses(producer, list(arms), count * micro_batches)
+        coster.add_uses(producer, list(arms), count, micro_batches)
     if training and overlap_gradients:
         problem.chain = build_chain(graph, problem, deferred, coster.gradient_table, mesh, profile, training)
         problem.prefetch = build_prefetch(graph, problem, mesh, profile)
@@ -314,10 +314,15 @@ class _Coster:
             self.tables[key] = [[self.use(producer, consumer, i, cu, cv)[2] for cv in range(nv)] for cu in range(nu)]
         return self.tables[key]
 
-    def add_uses(self, producer: str, arms: list[tuple[str, int]], count: int) -> None:
-        """``count`` tensors alike to ``producer`` with these uses: an edge when one, else a fan-out."""
+    def add_uses(self, producer: str, arms: list[tuple[str, int]], count: int, runs: int = 1) -> None:
+        """``count`` tensors alike to ``producer`` with these uses: an edge when one, else a fan-out.
+
+        Their collectives run ``runs`` times a step (once per micro-batch); a
+        gathered input kept for backward is one buffer whatever ``runs`` is,
+        since each micro-batch's backward frees its own.
+        """
         if len(arms) == 1 and arms[0][0] != OUTPUT:
-            self.add_edge(producer, *arms[0], count)
+            self.add_edge(producer, *arms[0], count, runs)
             return
         gu = self.problem.group_of[producer]
         fanout = FanOut(gu, [], [], [])
@@ -337,11 +342,13 @@ class _Coster:
                         continue
                     if (cu, key) not in index:
                         index[cu, key] = len(fanout.cost_s)
-                        fanout.cost_s.append(count * exposed)
-                        fanout.ident.append((self.problem.strategy(producer, cu).out, key))
+                        fanout.cost_s.append(count * runs * exposed)
+                        made = self.problem.strategy(producer, cu)
+                        fanout.ident.append((made.out, made.optimizer_axes if made.gradient_split else (), key))
                         fanout.memory_bytes.append(0)
                     k = index[cu, key]
-                    fanout.memory_bytes[k] = max(fanout.memory_bytes[k], count * kept)  # one buffer, kept if any use does
+                    # one buffer, kept if any use that may share it keeps it
+                    fanout.memory_bytes[k] = max(fanout.memory_bytes[k], count * kept)
                     row.append(k)
                 items.append(row)
             fanout.arms.append(Arm(gv, items))
@@ -366,15 +373,16 @@ class _Coster:
         else:
             self._table(gu, gv)[cu][cv] = math.inf
 
-    def add_edge(self, producer: str, consumer: str, i: int, count: int) -> None:
-        """``count`` single uses alike to ``producer -> consumer`` (input ``i``): exposed seconds per pair."""
+    def add_edge(self, producer: str, consumer: str, i: int, count: int, runs: int = 1) -> None:
+        """``count`` single uses alike to ``producer -> consumer`` (input ``i``): exposed seconds per pair, run
+        ``runs`` times a step, and the bytes a use keeps for backward (once)."""
         groups = self.problem.groups
         gu, gv = self.problem.group_of[producer], self.problem.group_of[consumer]
         nu, nv = groups[gu].n, groups[gv].n
         if gu == gv:  # both ends are fixed by the same choice
             for c in range(nu):
                 _, exposed, _, kept = self.use(producer, consumer, i, c, c)
-                groups[gu].cost_s[c] += count * exposed
+                groups[gu].cost_s[c] += count * runs * exposed
                 groups[gu].memory_bytes[c] += count * kept
             return
         pairs = [[self.use(producer, consumer, i, cu, cv) for cv in range(nv)] for cu in range(nu)]
@@ -382,13 +390,13 @@ class _Coster:
             for cu in range(nu):
                 for cv in range(nv):
                     target, c = (groups[gv], cv) if nu == 1 else (groups[gu], cu)
-                    target.cost_s[c] += count * pairs[cu][cv][1]
+                    target.cost_s[c] += count * runs * pairs[cu][cv][1]
                     target.memory_bytes[c] += count * pairs[cu][cv][3]
             return
         table = self._table(gu, gv)
         for cu in range(nu):
             for cv in range(nv):
-                table[cu][cv] += count * pairs[cu][cv][1]
+                table[cu][cv] += count * runs * pairs[cu][cv][1]
         if any(use[3] for row in pairs for use in row):
             memory = self.problem.edge_memory.setdefault((gu, gv), [[0] * nv for _ in range(nu)])
             for cu in range(nu):
