@@ -95,7 +95,7 @@ def distinct_uses(graph, chosen, mesh, training, whole_outputs=False):
                                                chosen[producer].out, strategy)
             shared.setdefault((dst, grad, axes), [meta]).append((consumer, i))
         made = chosen[producer]
-        split = made.optimizer_axes if made.gradient_split else ()
+        split = made.gradient_slice_axes
         for (dst, grad, axes), (meta, *sharing) in shared.items():
             yield producer, sharing, meta, dst, grad, split_gradient_axes(split, made.out, dst, grad, axes), split
 

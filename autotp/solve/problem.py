@@ -283,7 +283,7 @@ class _Coster:
                                            consumer, i, src, strategy)
         if consumer != OUTPUT and self.graph.node(producer).multi_output and src != dst:
             return None, math.inf, 0.0, 0
-        split = made.optimizer_axes if made.gradient_split else ()
+        split = made.gradient_slice_axes
         summed = split_gradient_axes(split, src, dst, grad, axes)
         if summed is None:
             return None, math.inf, 0.0, 0
@@ -344,7 +344,7 @@ class _Coster:
                         index[cu, key] = len(fanout.cost_s)
                         fanout.cost_s.append(count * runs * exposed)
                         made = self.problem.strategy(producer, cu)
-                        fanout.ident.append((made.out, made.optimizer_axes if made.gradient_split else (), key))
+                        fanout.ident.append((made.out, made.gradient_slice_axes, key))
                         fanout.memory_bytes.append(0)
                     k = index[cu, key]
                     # one buffer, kept if any use that may share it keeps it

@@ -64,6 +64,11 @@ class Strategy:
                      if isinstance(p_in, Replicate) and not isinstance(p_out, Replicate))
 
     @property
+    def gradient_slice_axes(self) -> tuple:
+        """The axes the gradient is reduce-scattered over into the optimizer's slices (ZeRO-2), else ``()``."""
+        return self.optimizer_axes if self.gradient_split else ()
+
+    @property
     def is_replicated(self) -> bool:
         """Everything whole, the optimizer state included: the single-device program."""
         return not self.optimizer_axes and all(isinstance(p, Replicate) for p in self.out) and all(
