@@ -25,6 +25,7 @@ from autotp.solve.constraints import apply_constraints
 from autotp.solve.ilp import MemoryInfeasible, NoBetterPlan, solve
 from autotp.solve.plan import Plan
 from autotp.solve.problem import build_problem
+from autotp.solve.recompute import LAYERS
 from autotp.strategies import default_registry, enumerate_strategies
 from autotp.strategies.enumerate import prune_unreachable
 from autotp.units import format_bytes, parse_bytes
@@ -56,7 +57,7 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
          time_limit_s: float | None = None, memory_limit=AUTO, overlap_gradients: bool = True,
          bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True, solver: str = "auto",
          replay_layers: bool = True, precision: str = AUTO, optimizer_sharding: bool = True,
-         recompute: bool = True, micro_batches=AUTO, progress: Stages | None = None) -> Plan:
+         recompute: bool | str = True, micro_batches=AUTO, progress: Stages | None = None) -> Plan:
     """Choose a placement for every parameter and op of ``model`` on ``mesh``: the fastest step that fits.
 
     ``pin`` fixes parameter placements (``{"fc1.weight": ("S(0)",)}``) and lets
@@ -89,7 +90,10 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     * ``recompute`` lets the ILP recompute classes of identical layers in
       backward (activation checkpointing), paying their forward compute
       again for the activations it frees; it does so when memory binds, and
-      ``plan.recompute`` names the layers (`autotp.solve.recompute`);
+      ``plan.recompute`` names the layers (`autotp.solve.recompute`).
+      ``True`` recomputes a class whole or not at all; ``"layers"`` any
+      number of its layers (Megatron's ``--recompute-num-layers``: finer,
+      and slower to solve); ``False`` keeps every activation;
     * ``micro_batches``: the example batch is one optimizer step's; the plan
       may run it as k micro-batches of batch/k (gradients summed once, after
       the last), ``plan.micro_batches`` says k and `autotp.runtime.accumulate`
@@ -173,7 +177,7 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
                   allow=None, registry=None, time_limit_s=None, memory_limit=AUTO, overlap_gradients: bool = True,
                   bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True,
                   solver: str = "auto", precision: str = AUTO, optimizer_sharding: bool = True,
-                  recompute: bool = True, micro_batches: int = 1, beat_s: float | None = None,
+                  recompute: bool | str = True, micro_batches: int = 1, beat_s: float | None = None,
                   progress: Stages | None = None) -> Plan:
     """Stages 2 to 5 of `plan` on a captured model: strategies, costs, the ILP, the `Plan`.
 
@@ -183,6 +187,9 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
     started, stages = time.perf_counter(), stages_or_silent(progress)
     mesh, profile, graph = as_mesh(mesh), load_profile(profile), captured.graph
     precision = check_precision(precision)
+    if recompute not in (True, False, LAYERS):
+        raise PlanError(f"recompute={recompute!r}: use True (whole layer classes), {LAYERS!r} (any number of "
+                        "a class's layers) or False")
     with stages.stage("enumerating strategies") as stage:
         strategies = enumerate_strategies(graph, mesh.shape, registry or default_registry(),
                                           optimizer_sharding=training and optimizer_sharding)

@@ -329,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-recompute", dest="recompute", action="store_false",
                    help="keep every activation (by default the plan may recompute classes of identical layers in "
                         "backward when memory binds)")
+    p.add_argument("--recompute-layers", dest="recompute", action="store_const", const="layers",
+                   help="let the plan recompute any number of a class's layers, not only all or none (finer, "
+                        "slower to solve)")
     p.add_argument("--whole-outputs", action="store_true",
                    help="return every output replicated on every rank (default: each rank its own rows where "
                         "the plan splits the batch, as with DDP; whole otherwise)")

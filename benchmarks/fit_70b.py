@@ -13,7 +13,8 @@ model FLOPs utilisation
 
 (the dense bf16 peak of an H100 SXM, as the issue that asked for it counts).
 
-Run: ``python benchmarks/fit_70b.py [--only 4x8-8,4x8-64,8-1]``
+Run: ``python benchmarks/fit_70b.py [--only 4x8-8,4x8-64,8-1] [--recompute-layers]`` (the second: any number
+of the layers recomputed, `plan(recompute="layers")`; the Megatron-style baseline keeps all or none)
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ CASES = {  # name -> (mesh, links, global batch)
 }
 
 
-def report(name: str) -> None:
+def report(name: str, recompute=True) -> None:
     mesh_shape, links, batch = CASES[name]
     model, args, kwargs = shapes.llama2_70b(batch=batch)
     params = sum(t.numel() for t in model.parameters())
@@ -47,7 +48,7 @@ def report(name: str) -> None:
     started = time.perf_counter()
     print(f"\n### Llama-2-70B, mesh {mesh}, global batch {batch} x 4096")
     try:
-        plan = autotp.plan(model, mesh, args, kwargs, profile="h100-hgx")
+        plan = autotp.plan(model, mesh, args, kwargs, profile="h100-hgx", recompute=recompute)
     except autotp.AutotpError as exc:
         print(f"\n{type(exc).__name__} after {time.perf_counter() - started:.1f} s: {exc}")
         return
@@ -94,8 +95,11 @@ def compare(model, mesh, args, kwargs, params: int, tokens: int, autotp_s: float
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default=",".join(CASES))
-    for name in parser.parse_args().only.split(","):
-        report(name)
+    parser.add_argument("--recompute-layers", dest="recompute", action="store_const", const="layers", default=True,
+                        help="let autotp recompute any number of the 80 layers, not only all or none")
+    args = parser.parse_args()
+    for name in args.only.split(","):
+        report(name, args.recompute)
 
 
 if __name__ == "__main__":

@@ -54,8 +54,10 @@ def test_sizes():
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_a_gathered_weight_kept_for_backward_counts_and_the_ilp_counts_it_alike(micro_batches):
-    """Stored split, used whole by a data-parallel matmul: the all-gathered copy lives until backward (one copy,
-    however many micro-batches: each one's backward frees its own)."""
+    """Stored split, used whole by a data-parallel matmul whose input needs a gradient: the all-gathered copy lives
+    until backward (one copy, however many micro-batches: each one's backward frees its own). The first
+    matmul's input needs none, so its backward never reads its weight, and a gathered copy of it is freed at
+    once."""
     from autotp.graph.opgraph import KIND_PARAM
     from autotp.solve.constraints import data_parallel_only
 
@@ -65,18 +67,21 @@ def test_a_gathered_weight_kept_for_backward_counts_and_the_ilp_counts_it_alike(
     mesh = autotp.Mesh("2", links="nvlink")
     options = dict(profile="h100-hgx", optimizer_sharding=False, recompute=False, micro_batches=micro_batches,
                    allow=lambda op, s: op.kind == KIND_PARAM or data_parallel_only(op, s))
-    whole = autotp.plan(model, mesh, inputs, pin={"0.weight": ("R",)}, **options)
-    split = autotp.plan(model, mesh, inputs, pin={"0.weight": ("S(0)",)}, **options)
-    assert [(c["kind"], c["bytes"]) for c in split.collectives if c["phase"] == "forward"] == [("all_gather", 2048)], \
+    whole = autotp.plan(model, mesh, inputs, pin={"2.weight": ("R",)}, **options)
+    split = autotp.plan(model, mesh, inputs, pin={"2.weight": ("S(0)",)}, **options)
+    assert [(c["kind"], c["bytes"]) for c in split.collectives if c["phase"] == "forward"] == [("all_gather", 1024)], \
         split.collectives
-    assert split.memory["activations"] - whole.memory["activations"] == 32 * 16 * 4  # the whole fp32 weight
+    assert split.memory["activations"] - whole.memory["activations"] == 8 * 32 * 4  # the whole fp32 weight
+    first = autotp.plan(model, mesh, inputs, pin={"0.weight": ("S(0)",), "2.weight": ("R",)}, **options)
+    assert [c["kind"] for c in first.collectives if c["phase"] == "forward"] == ["all_gather"]
+    assert first.memory["activations"] == whole.memory["activations"]
     # the ILP's memory row is the report's: the plan fits a limit of exactly its memory, and any plan made
     # under a tighter one (another split of the activations) reports no more than it
-    assert autotp.plan(model, mesh, inputs, pin={"0.weight": ("S(0)",)}, memory_limit=split.memory["total"],
+    assert autotp.plan(model, mesh, inputs, pin={"2.weight": ("S(0)",)}, memory_limit=split.memory["total"],
                        **options).memory == split.memory
     for limit in (split.memory["total"] - 1, split.memory["total"] - 1024):
         try:
-            tighter = autotp.plan(model, mesh, inputs, pin={"0.weight": ("S(0)",)}, memory_limit=limit, **options)
+            tighter = autotp.plan(model, mesh, inputs, pin={"2.weight": ("S(0)",)}, memory_limit=limit, **options)
         except MemoryLimitError:
             continue
         assert tighter.memory["total"] <= limit

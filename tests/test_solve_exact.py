@@ -67,6 +67,7 @@ def _random_problem(rng: random.Random) -> Problem:
         problem.prefetch = _random_chain(rng, problem, pairs=False, after=False)
     if rng.random() < 0.5:
         problem.recompute = [_random_recompute(rng, problem) for _ in range(rng.randint(1, 2))]
+        problem.partial_recompute = rng.random() < 0.5
     return problem
 
 
@@ -145,13 +146,14 @@ def _random_chain(rng, problem: Problem, pairs: bool = True, after: bool = True)
 def _plans(problem: Problem, reduction=None, recompute: bool = True):
     """Every possible plan the reduction leaves (all when ``None``): ``(choice, time, memory)``.
 
-    Each layer class recomputed or not (the ILP has that choice when memory counts, ``recompute``).
+    Each layer class recomputed whole or not, or any number of its layers with ``partial_recompute`` (the ILP
+    has that choice when memory counts, ``recompute``).
     """
     names = list(problem.groups)
     subsets = [()]
     if recompute:
-        subsets = [s for n in range(len(problem.recompute) + 1)
-                   for s in itertools.combinations(range(len(problem.recompute)), n)]
+        options = [range(rc.count + 1) if problem.partial_recompute else (0, rc.count) for rc in problem.recompute]
+        subsets = [tuple(enumerate(counts)) for counts in itertools.product(*options)]
     for picks in itertools.product(*(range(problem.groups[g].n) for g in names)):
         choice = dict(zip(names, picks))
         if reduction and (any(choice[g] not in reduction.choices[g] for g in names)

@@ -1,7 +1,13 @@
 """Memory per device, by term: parameters, gradients, optimizer state, buffers and saved activations.
 
-Counted on local shapes. Activations are the outputs of differentiated ops in
-the dtypes the model computes in, the upper bound of what autograd saves.
+Counted on local shapes. Activations are what autograd keeps for the
+backward pass (`autotp.graph.saved`, found by running each op on the meta
+device under saved-tensor hooks): the outputs of differentiated ops that
+their own backward or a consumer's reads, and tensors an op saves of its own
+(a dropout mask), in the dtypes the model computes in. What leaves a layer
+for the next counts whether or not a backward reads it, and so does the sum
+of a partial result, in its target layout, on its use (`kept_use_bytes`):
+a recomputed layer's checkpoint keeps both (`autotp.solve.recompute`).
 A trained parameter's state follows the training ``precision``, in bytes per
 element of the parameter (Adam's two moments in the optimizer term):
 
@@ -33,7 +39,7 @@ import math
 from autotp.errors import PlanError
 from autotp.graph.flops import is_alias
 from autotp.graph.opgraph import KIND_OP, KIND_PARAM, KIND_BUFFER
-from autotp.placement import local_bytes
+from autotp.placement import Partial, local_bytes
 
 TERMS = ("parameters", "gradients", "optimizer", "buffers", "activations")
 # bytes per parameter element: weight, gradient, optimizer state
@@ -72,28 +78,56 @@ def node_memory_bytes(op, strategy, mesh, training: bool, precision: str = AUTO,
     if op.kind == KIND_BUFFER:
         return {"buffers": local_bytes(op.out[0], layout, mesh.shape)}
     if op.kind == KIND_OP and training and op.requires_grad and not is_alias(op.target):
-        return {"activations": sum(local_bytes(m, layout, mesh.shape) for m in op.out)}
+        out = sum(local_bytes(m, layout, mesh.shape) for m in op.out)
+        kept = op.keeps_output and not _partial(layout, mesh.shape)  # a sum's result counts on its use instead
+        extra = 0
+        if op.saved_extra:  # scaled to the largest local tensor, as `autotp.graph.saved` measured it
+            largest = max([out] + [local_bytes(m, lay, mesh.shape) for m, lay in zip(op.in_metas, strategy.ins)])
+            extra = math.ceil(largest * op.saved_extra)
+        return {"activations": int(out * kept + extra)}
     return {}
 
 
-# ops whose backward reads their (floating) inputs, so autograd keeps them: a matmul's gradient for one
-# operand needs the other; attention's needs q, k and v
-SAVES_INPUTS = frozenset({"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "convolution", "mul",
-                          "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-                          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"})
-
-
-def kept_input_bytes(op, i: int, layout, mesh, training: bool) -> int:
+def kept_input_bytes(op, i: int, layout, mesh, training: bool, checkpointed: bool = False) -> int:
     """Bytes of input ``i`` of ``op``, in ``layout``, that autograd keeps for the backward pass, or 0.
 
     Counted where the input arrives through an all-gather (a buffer of its
     own, as a parameter gathered over the data-parallel axis): an op's own
     outputs are counted as its activations, and a local slice is a view.
+    Kept when the op's backward reads it, and when the op's layer may be
+    recomputed (``checkpointed``): the checkpointed stretch that starts with
+    the op then saves what the all-gather returned (`autotp.lower.recompute`).
     """
     meta = op.in_metas[i]
-    if not (training and op.requires_grad and meta.is_float) or getattr(op.target, "_opname", "") not in SAVES_INPUTS:
+    if not (training and op.requires_grad and meta.is_float) or not (i in op.saves_inputs or checkpointed):
         return 0
     return local_bytes(meta, layout, mesh.shape)
+
+
+def kept_use_bytes(producer, consumer, i: int, src, dst, meta, mesh, training: bool, gathered: bool,
+                   checkpointed: bool = False) -> int:
+    """Bytes a redistribution of ``producer``'s output for input ``i`` of ``consumer`` leaves alive until backward.
+
+    A sum of partial results (an all-reduce or reduce-scatter) returns the
+    tensor every use of the sum reads: counted in its target layout, for the
+    partial sum itself is not (`node_memory_bytes`) and a recomputed layer's
+    checkpoint saves the sum (`autotp.solve.recompute`). An all-gathered
+    input counts where the consumer's backward reads it or the consumer's
+    layer may be recomputed, ``checkpointed`` (`kept_input_bytes`).
+    """
+    if not training or consumer is None:
+        return 0
+    if producer.requires_grad and _sums(src, dst, mesh.shape):
+        return local_bytes(meta, dst, mesh.shape)
+    return kept_input_bytes(consumer, i, dst, mesh, training, checkpointed) if gathered else 0
+
+
+def _sums(src, dst, shape) -> bool:
+    return any(isinstance(p, Partial) and not isinstance(q, Partial) and n > 1 for p, q, n in zip(src, dst, shape))
+
+
+def _partial(layout, shape) -> bool:
+    return any(isinstance(p, Partial) and n > 1 for p, n in zip(layout, shape))
 
 
 def memory_by_term(graph, chosen: dict, mesh, training: bool, precision: str = AUTO,

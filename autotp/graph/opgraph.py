@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import networkx as nx
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autotp.graph.flops import op_bytes, op_flops
+from autotp.graph.flops import is_alias, op_bytes, op_flops
+from autotp.graph.saved import NOTHING, saved_by
 
 KIND_INPUT, KIND_PARAM, KIND_BUFFER, KIND_OP, KIND_OUTPUT = "input", "param", "buffer", "op", "output"
 
@@ -76,6 +77,12 @@ class OpNode:
     requires_grad: bool
     fqn: str | None = None
     module: str | None = None  # path of the innermost module that ran the op (or owns the parameter)
+    # what autograd keeps of it for backward (`autotp.graph.saved`): positions in ``inputs`` its backward
+    # reads, whether its output is kept (its own backward or a consumer's reads it), and tensors of its own
+    # (a dropout mask, a loss's log-probabilities) as a fraction of its largest tensor's bytes
+    saves_inputs: frozenset = frozenset()
+    keeps_output: bool = True
+    saved_extra: float = 0.0
 
     @property
     def op_name(self) -> str:
@@ -128,7 +135,7 @@ def build_opgraph(gm: fx.GraphModule, input_requires_grad=None) -> OpGraph:
     input_requires_grad = input_requires_grad or {}
     params = {n: p.requires_grad for n, p in gm.named_parameters()}
     buffers = {n for n, _ in gm.named_buffers()}
-    g, order, metas, grads, outputs = nx.DiGraph(), [], {}, {}, []
+    g, order, metas, grads, outputs, probed = nx.DiGraph(), [], {}, {}, [], {}
     for node in gm.graph.nodes:
         kind = _kind(node, set(params), buffers)
         producers = tensor_input_nodes(node)
@@ -146,6 +153,8 @@ def build_opgraph(gm: fx.GraphModule, input_requires_grad=None) -> OpGraph:
         ins = tuple(_input_meta(node, metas[p.name]) for p in producers if p.name in metas)
         in_names = tuple(p.name for p in producers if p.name in metas)
         requires_grad = _requires_grad(kind, node, params, input_requires_grad, in_names, grads, outs)
+        saved = (saved_by(node, in_names, grads, probed) if kind == KIND_OP and requires_grad and not is_alias(node.target)
+                 else NOTHING)
         op = OpNode(
             name=node.name, kind=kind, target=node.target,
             args=pytree.tree_map(lambda a: _sub(a, metas), node.args),
@@ -156,6 +165,7 @@ def build_opgraph(gm: fx.GraphModule, input_requires_grad=None) -> OpGraph:
             requires_grad=requires_grad,
             fqn=node.target if kind in (KIND_PARAM, KIND_BUFFER) else None,
             module=_module_path(node, kind),
+            saves_inputs=saved.inputs, keeps_output=saved.output, saved_extra=saved.extra,
         )
         metas[node.name] = outs[0] if not multi else outs
         grads[node.name] = requires_grad
@@ -167,7 +177,40 @@ def build_opgraph(gm: fx.GraphModule, input_requires_grad=None) -> OpGraph:
                 g.add_edge(producer, node.name, inputs=(i,))
             else:
                 edge["inputs"] = edge["inputs"] + (i,)
+    _mark_kept_outputs(g, order)
     return OpGraph(g, order, outputs)
+
+
+def _mark_kept_outputs(g: nx.DiGraph, order: list[str]) -> None:
+    """``keeps_output``: an op's output is kept when its own backward reads it, a consumer's backward reads it
+    (directly or through views: a saved view keeps its base alive), or it leaves its layer for another one:
+    a recomputed layer's checkpoint saves what enters it (`autotp.solve.recompute`), and the memory model
+    counts it alike whether or not the layer is recomputed."""
+    read = set()  # ops whose output some backward reads
+    for name in reversed(order):  # consumers first: a view is marked before its base is looked at
+        op = g.nodes[name]["op"]
+        for i in op.saves_inputs:
+            read.add(op.inputs[i])
+        if name in read and op.kind == KIND_OP and is_alias(op.target):
+            read.update(op.inputs)
+    for name in order:
+        op = g.nodes[name]["op"]
+        if op.kind == KIND_OP and op.requires_grad and not is_alias(op.target):
+            leaves = any(module_layer(g.nodes[v]["op"].module) != module_layer(op.module) for v in g.successors(name))
+            g.nodes[name]["op"] = replace(op, keeps_output=op.keeps_output or name in read or leaves)
+
+
+def module_layer(module: str | None) -> tuple[str, int] | None:
+    """``("model.layers", 3)`` for a module path inside ``model.layers.3``; None outside a layer list.
+
+    A layer is the first numbered module on the path: the entries of an
+    ``nn.ModuleList`` or ``nn.Sequential``.
+    """
+    parts = (module or "").split(".")
+    for i, part in enumerate(parts):
+        if part.isascii() and part.isdigit():
+            return ".".join(parts[:i]), int(part)
+    return None
 
 
 def _module_path(node: fx.Node, kind: str) -> str | None:

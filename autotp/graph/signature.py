@@ -9,11 +9,7 @@ be enumerated, costed and solved once (`autotp.solve.layers`).
 
 from __future__ import annotations
 
-import re
-
-from autotp.graph.opgraph import KIND_OP, OpNode
-
-_INDEX = re.compile(r"^\d+$")
+from autotp.graph.opgraph import KIND_OP, OpNode, module_layer
 
 
 def op_signature(op: OpNode) -> tuple:
@@ -21,7 +17,7 @@ def op_signature(op: OpNode) -> tuple:
     kwargs = tuple(sorted((k, repr(v)) for k, v in op.kwargs.items()))
     target = str(op.target) if op.kind == KIND_OP else None  # a parameter's target is its name
     return (op.kind, target, repr(op.args), kwargs, op.in_metas, op.out, op.multi_output,
-            op.requires_grad, len(op.inputs))
+            op.requires_grad, len(op.inputs), op.saves_inputs, op.keeps_output, op.saved_extra)
 
 
 def layer_path(op: OpNode) -> str | None:
@@ -31,15 +27,6 @@ def layer_path(op: OpNode) -> str | None:
 
 
 def layer_of(op: OpNode) -> tuple[str, int] | None:
-    """``("model.layers", 3)`` for an op or parameter of ``model.layers.3``; None outside a layer list.
-
-    A layer is the first numbered module on the op's module path: the entries
-    of an ``nn.ModuleList`` or ``nn.Sequential``.
-    """
-    if not op.module:
-        return None
-    parts = op.module.split(".")
-    for i, part in enumerate(parts):
-        if _INDEX.match(part):
-            return ".".join(parts[:i]), int(part)
-    return None
+    """``("model.layers", 3)`` for an op or parameter of ``model.layers.3``; None outside a layer list
+    (`autotp.graph.opgraph.module_layer`)."""
+    return module_layer(op.module)

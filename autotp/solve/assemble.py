@@ -13,15 +13,16 @@ from __future__ import annotations
 from autotp.cost.comm import (collective_time_s, gradient_slice_time_s, inner_all_reduces, optimizer_gather,
                               optimizer_time_s)
 from autotp.cost.compute import compute_time_s
-from autotp.cost.memory import kept_input_bytes, memory_by_term
+from autotp.cost.memory import kept_use_bytes, memory_by_term
 from autotp.cost.reshard import cheapest_steps, step_seconds
 from autotp.graph.opgraph import KIND_INPUT, KIND_PARAM
+from autotp.graph.signature import layer_path
 from autotp.placement import layout_str, local_bytes
 from autotp.redistribute import entry_layout, gathers, plan_steps
 from autotp.solve.plan import NodePlan, Plan
 from autotp.solve.problem import (OUTPUT, deferred_parameters, output_layout, split_gradient_axes, use_target,
                                   uses_of)
-from autotp.solve.recompute import recompute_effect
+from autotp.solve.recompute import recompute_effect, recomputed_layers
 from autotp.solve.step import step_time
 
 
@@ -119,14 +120,17 @@ def all_collectives(graph, chosen, mesh, profile, training, whole_outputs=False,
     return out
 
 
-def kept_gathered_bytes(graph, chosen, mesh, training, whole_outputs=False) -> int:
-    """Bytes of all-gathered inputs that their consumers keep for backward (`autotp.cost.memory.kept_input_bytes`):
-    one buffer per distinct redistribution, kept if any use that shares it keeps it."""
+def kept_gathered_bytes(graph, chosen, mesh, training, whole_outputs=False, recomputable=frozenset()) -> int:
+    """Bytes that redistributions leave alive until backward (`autotp.cost.memory.kept_use_bytes`: sums' results,
+    all-gathered inputs a backward or a checkpoint of the ``recomputable`` layers reads): one buffer per distinct
+    redistribution, kept if any use keeps it."""
     kept = 0
     for producer, uses, meta, dst, grad, summed, split in distinct_uses(graph, chosen, mesh, training, whole_outputs):
-        if gathers(plan_steps(chosen[producer].out, dst, meta, mesh.shape), mesh.shape):
-            kept += max(kept_input_bytes(graph.node(c), i, dst, mesh, training) if c != OUTPUT else 0
-                        for c, i in uses)
+        src = chosen[producer].out
+        gathered = gathers(plan_steps(src, dst, meta, mesh.shape), mesh.shape)
+        users = [(None if c == OUTPUT else graph.node(c), i) for c, i in uses]
+        kept += max(kept_use_bytes(graph.node(producer), user, i, src, dst, meta, mesh, training, gathered,
+                                   user is not None and layer_path(user) in recomputable) for user, i in users)
     return kept
 
 
@@ -170,7 +174,7 @@ def plan_memory(graph, problem, solution, chosen, mesh, training, whole_outputs:
     all-gathered inputs kept for backward count as activations."""
     terms = memory_by_term(graph, chosen, mesh, training, problem.precision, problem.micro_batches)
     _, freed, transient = recompute_effect(problem, solution.choice, solution.recompute)
-    extra = kept_gathered_bytes(graph, chosen, mesh, training, whole_outputs) + transient - freed
+    extra = kept_gathered_bytes(graph, chosen, mesh, training, whole_outputs, problem.recomputable) + transient - freed
     terms["activations"] += extra
     terms["total"] += extra
     return terms
@@ -210,7 +214,7 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
                  "whole_outputs": whole_outputs, "precision": problem.precision},
         optimizer_sharding=optimizer,
         gradient_sharding=gradients,
-        recompute=[layer for r in solution.recompute for layer in problem.recompute[r].layers],
+        recompute=recomputed_layers(problem, solution.recompute),
         micro_batches=k,
         io=io_layouts(graph, chosen, mesh, whole_outputs),
     )

@@ -38,6 +38,7 @@ from autotp.solve import backends
 from autotp.solve.gap import (complete_start, lp_relaxation_bound, optimality_gap, replicated_choices,
                               warm_start_replicated, warn_gap)
 from autotp.solve.problem import Problem
+from autotp.solve.recompute import layer_counts
 from autotp.solve.reduce import possible, reduce_problem
 from autotp.solve.step import memory_bytes
 
@@ -55,7 +56,7 @@ class Solution:
     status: str
     gap: float | None = None  # only when a time limit stopped the solver: (objective - bound) / objective
     solver: str = "cbc"
-    recompute: tuple[int, ...] = ()  # indices into problem.recompute: the layer classes recomputed
+    recompute: tuple[tuple[int, int], ...] = ()  # (index into problem.recompute, how many of its layers)
     limited: bool = False  # solved under the memory limit: the fastest plan did not fit
 
 
@@ -124,29 +125,36 @@ _RECOMPUTE = "__recompute__"  # the key of the recompute binaries among the choi
 
 
 def _recompute_terms(lp, problem: Problem, x: dict, objective: list, memory: list) -> dict:
-    """Per layer class a binary ``r``; its forward seconds again and its freed bytes (`autotp.solve.recompute`)."""
-    r, transient = {}, pulp.LpVariable("recompute_transient", lowBound=0)
+    """Per layer class ``(layers per binary, binaries)``: how many of its layers it recomputes; their forward
+    seconds again and their freed bytes (`autotp.solve.recompute`)."""
+    bits, transient = {}, pulp.LpVariable("recompute_transient", lowBound=0)
     for k, rc in enumerate(problem.recompute):
-        r[k] = pulp.LpVariable(f"recompute_{k}", cat="Binary")
-        for g, values in rc.forward_s.items():
-            most = max(values[c] for c in x[g]) * _SCALE
-            if most > 0:
-                t = pulp.LpVariable(f"recompute_s_{k}_{_safe(g)}", lowBound=0)
-                lp += t >= pulp.lpSum(values[c] * _SCALE * v for c, v in x[g].items()) - most * (1 - r[k]), \
-                    f"recompute_s_{k}_{_safe(g)}"
-                objective.append(t)
-        freed = []
-        for g, values in rc.saved_bytes.items():
-            most = max(values[c] for c in x[g]) / _BYTES
-            if most > 0:
-                z = pulp.LpVariable(f"recompute_freed_{k}_{_safe(g)}", lowBound=0)
-                lp += z <= pulp.lpSum(values[c] / _BYTES * v for c, v in x[g].items()), f"freed_{k}_{_safe(g)}"
-                lp += z <= most * r[k], f"freed_if_{k}_{_safe(g)}"
-                freed.append(z)
-        memory += [-z for z in freed]
-        lp += transient >= pulp.lpSum(freed) * (1.0 / rc.count), f"transient_{k}"
+        sizes = layer_counts(rc.count, problem.partial_recompute)
+        bits[k] = sizes, [pulp.LpVariable(f"recompute_{k}_bit_{j}", cat="Binary") for j in range(len(sizes))]
+        if sum(sizes) > rc.count:
+            lp += pulp.lpSum(n * b for n, b in zip(*bits[k])) <= rc.count, f"recompute_{k}_layers"
+        for j, (n, b) in enumerate(zip(*bits[k])):
+            share, tag = n / rc.count, f"{k}_{j}"
+            for g, values in rc.forward_s.items():
+                most = max(values[c] for c in x[g]) * _SCALE * share
+                if most > 0:
+                    t = pulp.LpVariable(f"recompute_s_{tag}_{_safe(g)}", lowBound=0)
+                    lp += t >= pulp.lpSum(values[c] * _SCALE * share * v for c, v in x[g].items()) - most * (1 - b), \
+                        f"recompute_s_{tag}_{_safe(g)}"
+                    objective.append(t)
+            freed = []
+            for g, values in rc.saved_bytes.items():
+                most = max(values[c] for c in x[g]) / _BYTES * share
+                if most > 0:
+                    z = pulp.LpVariable(f"recompute_freed_{tag}_{_safe(g)}", lowBound=0)
+                    lp += z <= pulp.lpSum(values[c] / _BYTES * share * v for c, v in x[g].items()), \
+                        f"freed_{tag}_{_safe(g)}"
+                    lp += z <= most * b, f"freed_if_{tag}_{_safe(g)}"
+                    freed.append(z)
+            memory += [-z for z in freed]
+            lp += transient >= pulp.lpSum(freed) * (1.0 / n), f"transient_{tag}"
     memory.append(transient)
-    return r
+    return bits
 
 
 def _use_indicator(problem: Problem, x: dict, y: dict, fanout, arm, i: int, j: int):
@@ -267,7 +275,8 @@ def _run(lp, x, time_limit_s, solver: str = "cbc") -> Solution:
     if status != "Optimal":
         return Solution({}, math.inf, len(lp.variables()), len(lp.constraints), elapsed, status, solver=solver)
     # a class whose rows all vanished (it frees nothing and costs nothing here) may be left without a value
-    recompute = tuple(k for k, v in x.get(_RECOMPUTE, {}).items() if (v.value() or 0.0) > 0.5)
+    recompute = tuple((k, n) for k, (sizes, bits) in x.get(_RECOMPUTE, {}).items()
+                      if (n := sum(size for size, b in zip(sizes, bits) if (b.value() or 0.0) > 0.5)))
     choice = {name: next(c for c, v in xs.items() if v.value() > 0.5) for name, xs in x.items() if name != _RECOMPUTE}
     objective, gap = pulp.value(lp.objective), None
     if lp.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped at the time limit holding an incumbent

@@ -32,14 +32,15 @@ from dataclasses import dataclass, field
 
 from autotp.cost.comm import DEFAULT_BUCKET_BYTES, gradient_slice_time_s, inner_time_s, optimizer_time_s
 from autotp.cost.compute import compute_time_s
-from autotp.cost.memory import AUTO, kept_input_bytes, node_memory_bytes
+from autotp.cost.memory import AUTO, kept_use_bytes, node_memory_bytes
 from autotp.cost.reshard import edge_cost
 from autotp.graph.opgraph import KIND_PARAM, OpGraph
+from autotp.graph.signature import layer_path
 from autotp.placement import R, Shard, local_bytes
 from autotp.solve.chain import Chain, build_chain
 from autotp.solve.layers import Sharing, share_identical_layers
 from autotp.solve.prefetch import build_prefetch
-from autotp.solve.recompute import recompute_classes
+from autotp.solve.recompute import LAYERS, recompute_classes
 from autotp.strategies.enumerate import OpStrategies
 
 OUTPUT = "output"  # the consumer name of a use that returns the tensor from the program
@@ -106,6 +107,12 @@ class Problem:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     precision: str = AUTO  # the training precision the memory of parameters' state is counted in
     recompute: list = field(default_factory=list)  # layer classes the ILP may recompute (`autotp.solve.recompute`)
+    partial_recompute: bool = False  # any number of a class's layers, or all or none (`layer_counts`)
+
+    @property
+    def recomputable(self) -> frozenset:
+        """The layers (module paths) of every class the ILP may recompute."""
+        return frozenset(layer for rc in self.recompute for layer in rc.layers)
     micro_batches: int = 1  # forward and backward run this many times a step; gradient sums and the optimizer once
 
     def strategy(self, node: str, choice: int):
@@ -192,7 +199,7 @@ def deferred_parameters(graph: OpGraph, uses: dict) -> set[str]:
 def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, training: bool,
                   overlap_gradients: bool = True, share_layers: bool = True, whole_outputs: bool = False,
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision: str = AUTO,
-                  recompute: bool = True, micro_batches: int = 1) -> Problem:
+                  recompute: bool | str = True, micro_batches: int = 1) -> Problem:
     """Cost every group choice, every use of every tensor, and (when overlapped) the gradient chain.
 
     With ``overlap_gradients`` (and ``training``) the gradient sums of
@@ -204,7 +211,8 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
     identical layers share their choices (`autotp.solve.layers`). ``precision`` is the training precision
     of the parameters' state (`autotp.cost.memory`); with ``recompute`` (and
     ``training``) classes of identical layers may be recomputed in backward
-    (`autotp.solve.recompute`). ``graph`` is one of ``micro_batches``
+    (`autotp.solve.recompute`), whole or, with ``"layers"``, any number of
+    their layers. ``graph`` is one of ``micro_batches``
     micro-batches of a step: its compute and collectives run that many
     times, the bucketed gradient sums (behind the last micro-batch's backward)
     and what follows the optimizer step once.
@@ -224,13 +232,14 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
         coster.add_node(groups[leader], graph.node(name), count)
     canonical = Counter((sharing.of(p), tuple((sharing.of(v) if v != OUTPUT else v, i) for v, i in u))
                         for p, u in uses.items() if u)
+    if training and recompute:  # before the uses: what enters a layer that may be recomputed is kept
+        problem.recompute = recompute_classes(graph, problem, mesh, profile, precision)
+        problem.partial_recompute = recompute == LAYERS
     for (producer, arms), count in canonical.items():
         coster.add_uses(producer, list(arms), count, micro_batches)
     if training and overlap_gradients:
         problem.chain = build_chain(graph, problem, deferred, coster.gradient_table, mesh, profile, training)
         problem.prefetch = build_prefetch(graph, problem, mesh, profile)
-    if training and recompute:
-        problem.recompute = recompute_classes(graph, problem, mesh, profile, precision)
     return problem
 
 
@@ -273,8 +282,9 @@ class _Coster:
 
         The key is what the lowering shares a redistribution by (`use_target`).
         ``None`` with infinite time: the pair cannot be (the pieces of a split
-        are taken as produced). ``kept``: the bytes of an all-gathered input
-        the consumer keeps for its backward (`kept_input_bytes`).
+        are taken as produced). ``kept``: the bytes the redistribution leaves
+        alive until backward (`kept_use_bytes`: a sum's result, an all-gathered
+        input the consumer's backward reads).
         """
         made = self.problem.strategy(producer, cu)
         src = made.out
@@ -297,8 +307,9 @@ class _Coster:
                                                   self.profile, self.problem.bucket_bytes)
             self.memo[memo] = exposed, gradient, gathers
         exposed, gradient, gathers = self.memo[memo]
-        kept = (kept_input_bytes(self.graph.node(consumer), i, dst, self.mesh, self.training)
-                if gathers and consumer != OUTPUT else 0)
+        user = None if consumer == OUTPUT else self.graph.node(consumer)
+        kept = kept_use_bytes(self.graph.node(producer), user, i, src, dst, meta, self.mesh, self.training, gathers,
+                              user is not None and layer_path(user) in self.problem.recomputable)
         return (dst, grad, axes), exposed, gradient, kept
 
     def gradient_table(self, producer: str, consumer: str, i: int) -> list[list[float]]:

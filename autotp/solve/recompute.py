@@ -1,29 +1,31 @@
-"""Activation recomputation as a choice of the ILP: per class of identical layers, keep or recompute.
+"""Activation recomputation as a choice of the ILP: per class of identical layers, how many of them to recompute.
 
 A recomputed layer keeps, of its activations, only the tensors that leave it
 (its output, which the next layer or the head reads anyway) and the inputs it
 reads from outside; in backward it runs its forward again, one layer at a
 time, to rebuild the rest (`torch.utils.checkpoint`, lowered in
-`autotp.lower.recompute`). So a class of ``count`` identical layers, if
-recomputed:
+`autotp.lower.recompute`). Of a class of ``count`` identical layers any
+number ``n`` may be recomputed (Megatron-LM's ``--recompute-num-layers``;
+the lowering takes the first ``n``), and each one recomputed:
 
 * costs the forward compute of its ops once more (the collectives between
   them are not re-run: the lowering checkpoints the stretches of compute
   between collectives, and a collective's output is kept);
 * frees the activation bytes of every op but the layer's outputs and the
   partial sums it all-reduces (the lowering cuts the layer at each
-  collective and keeps what a collective returns; a partial sum's all-reduce
-  returns a tensor of its size. Other collectives' outputs, an all-gather's,
-  are not counted, as nowhere in the memory model);
-* needs, while one layer is rebuilt, that one layer's activations back: the
-  step's memory holds the largest such transient of any recomputed class.
+  collective and keeps what a collective returns, which the memory model
+  counts whether or not the layer is recomputed: `autotp.cost.memory`);
+* needs, while it is rebuilt, its activations back: the step's memory holds
+  the largest such transient of one layer of any recomputed class.
 
-Both depend on the ops' choices, so the ILP has per class a binary
-``recompute`` and, per group, a continuous time ``t >= F(x) - M (1 - r)``
-(``F`` the group's forward seconds under its choice, ``M`` their maximum) and
-freed bytes ``z <= A(x)``, ``z <= M r`` (McCormick's envelope, exact for a
-binary ``r``), with ``transient >= sum(z) / count`` per class. It is added
-only when memory is limited or minimised: otherwise recomputing only costs.
+Both depend on the ops' choices, so the ILP writes ``n`` in binary, ``n =
+sum_j 2^j b_j <= count``, and per bit and group, with ``F`` the group's
+forward seconds over the class under its choice, ``A`` its freed bytes and
+``M`` their maxima, a time ``t >= 2^j/count (F(x) - M (1 - b_j))`` and freed
+bytes ``z <= 2^j/count A(x)``, ``z <= 2^j/count M b_j`` (McCormick's
+envelope, exact for a binary ``b_j``), with ``transient >= sum(z) / 2^j``
+per bit: one layer's share. It is added only when memory is limited or
+minimised: otherwise recomputing only costs.
 
 Layers whose ops update a tensor in place (BatchNorm's running statistics)
 are never recomputed: a second forward would update it twice.
@@ -94,12 +96,29 @@ def _updates_in_place(op) -> bool:
 
 
 def recompute_effect(problem, choice: dict[str, int], recomputed) -> tuple[float, int, int]:
-    """``(seconds, bytes freed, transient bytes)`` of recomputing the classes ``recomputed`` (indices)."""
+    """``(seconds, bytes freed, transient bytes)`` of recomputing ``n`` layers of class ``k`` for each ``(k, n)``
+    in ``recomputed``."""
     seconds, freed, transient = 0.0, 0, 0
-    for k in recomputed:
+    for k, n in recomputed:
         rc = problem.recompute[k]
-        seconds += sum(values[choice[g]] for g, values in rc.forward_s.items())
-        saved = sum(values[choice[g]] for g, values in rc.saved_bytes.items())
-        freed += saved
-        transient = max(transient, saved // rc.count)  # the ILP's row divides exactly; never above it
+        if n <= 0:
+            continue
+        seconds += n / rc.count * sum(values[choice[g]] for g, values in rc.forward_s.items())
+        one = sum(values[choice[g]] for g, values in rc.saved_bytes.items()) // rc.count  # whole: count divides
+        freed += n * one
+        transient = max(transient, one)
     return seconds, freed, transient
+
+
+LAYERS = "layers"  # ``plan(recompute=LAYERS)``: any number of each class's layers, not only all or none
+
+
+def layer_counts(count: int, partial: bool) -> list[int]:
+    """The layers each recompute binary of a class of ``count`` stands for: ``1, 2, 4, ...`` (any number, in
+    binary) when ``partial``, else the whole class at once."""
+    return [2 ** j for j in range(count.bit_length())] if partial else [count]
+
+
+def recomputed_layers(problem, recomputed) -> list[str]:
+    """The layers (module paths) ``recomputed`` names: the first ``n`` of class ``k`` for each ``(k, n)``."""
+    return [layer for k, n in recomputed for layer in problem.recompute[k].layers[:n]]

@@ -47,7 +47,8 @@ def arm_item(fanout, arm, choice: dict[str, int]) -> int:
 
 
 def step_time(problem: Problem, choice: dict[str, int], recomputed=()) -> StepTime:
-    """The step time of ``choice`` (group leader -> choice index), the layer classes ``recomputed`` run twice."""
+    """The step time of ``choice`` (group leader -> choice index), ``n`` layers of class ``k`` run twice for each
+    ``(k, n)`` in ``recomputed``."""
     exposed = sum(group.cost_s[choice[name]] for name, group in problem.groups.items())
     exposed += recompute_effect(problem, choice, recomputed)[0]
     exposed += sum(table[choice[u]][choice[v]] for (u, v), table in problem.edges.items())
