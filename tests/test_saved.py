@@ -71,3 +71,32 @@ def test_each_op_keeps_what_its_backward_reads():
     assert ops["relu.default"].keeps_output  # relu's backward reads its output, as does the next linear
     assert not ops["add.Tensor"].saves_inputs and not ops["add.Tensor"].keeps_output
     assert ops["dropout.default"].saved_extra > 0  # its mask
+
+
+def test_a_partial_sum_taken_as_it_is_counts_where_its_consumer_keeps_it():
+    """``linear`` split by its input gives a partial sum ``P``; ``mul(P, R) -> P`` keeps it for backward: the bytes
+    count on that use (the producer no longer counts a partial output), and a use that sums it counts the sum."""
+    from autotp.cost.memory import kept_use_bytes, node_memory_bytes
+    from autotp.placement import Partial, Replicate, Shard, local_bytes
+    from autotp.strategies.base import Strategy
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8, bias=False)
+            self.scale = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return (self.proj(x) * self.scale).sum()
+
+    graph = build_opgraph(capture(Net(), (torch.randn(4, 8),)))
+    linear = next(op for op in graph.nodes() if op.op_name == "linear.default")
+    mul = next(op for op in graph.nodes() if op.op_name == "mul.Tensor")
+    mesh, partial, whole = autotp.Mesh("2"), (Partial(),), (Replicate(),)
+    i = mul.inputs.index(linear.name)
+    assert i in mul.saves_inputs  # mul's gradient for scale reads the linear's output
+    by_input = Strategy(partial, ((Shard(1),), (Shard(1),)))  # x and the weight split along the contraction
+    assert node_memory_bytes(linear, by_input, mesh, True) == {"activations": 0}
+    kept = kept_use_bytes(linear, mul, i, partial, partial, linear.out[0], mesh, True, gathered=False)
+    assert kept == local_bytes(linear.out[0], partial, mesh.shape) == 4 * 8 * 4
+    assert kept_use_bytes(linear, mul, i, partial, whole, linear.out[0], mesh, True, gathered=False) == 4 * 8 * 4

@@ -111,14 +111,17 @@ def kept_use_bytes(producer, consumer, i: int, src, dst, meta, mesh, training: b
     A sum of partial results (an all-reduce or reduce-scatter) returns the
     tensor every use of the sum reads: counted in its target layout, for the
     partial sum itself is not (`node_memory_bytes`) and a recomputed layer's
-    checkpoint saves the sum (`autotp.solve.recompute`). An all-gathered
+    checkpoint saves the sum (`autotp.solve.recompute`); a partial sum taken
+    as it is (``mul(P, R) -> P``) counts where the consumer's backward reads
+    it. An all-gathered
     input counts where the consumer's backward reads it or the consumer's
     layer may be recomputed, ``checkpointed`` (`kept_input_bytes`).
     """
     if not training or consumer is None:
         return 0
-    if producer.requires_grad and _sums(src, dst, mesh.shape):
-        return local_bytes(meta, dst, mesh.shape)
+    if producer.requires_grad and _partial(src, mesh.shape):  # the partial sum counts here, not on its producer
+        if _sums(src, dst, mesh.shape) or (i in consumer.saves_inputs and consumer.requires_grad):
+            return local_bytes(meta, dst, mesh.shape)
     return kept_input_bytes(consumer, i, dst, mesh, training, checkpointed) if gathered else 0
 
 

@@ -12,14 +12,16 @@ matched to an input or the output by storage (a saved view keeps its base
 alive), and anything else it packs (a mask, a transposed copy) is counted
 as extra bytes.
 
-Two exceptions, both conservative:
+Two exceptions:
 
 * the fused attention ops (``scaled_dot_product_attention``) take the math
   path on meta, which saves the whole attention matrix; on a device they
-  run a fused kernel that keeps q, k, v, the output and the log-sum-exp
-  (``ATTENTION``), which is what is counted;
+  run a fused kernel that keeps q, k, v, a mask or bias, the output and the
+  log-sum-exp (``ATTENTION``), which is what is counted (a device that
+  falls back to the math path keeps more);
 * an op the meta device cannot run (data-dependent shapes, a custom op
-  without a meta kernel) keeps every input and its output, the upper bound.
+  without a meta kernel) keeps every input and its output, the upper bound
+  (the safe side).
 """
 
 from __future__ import annotations
@@ -72,9 +74,10 @@ def saved_by(node: fx.Node, in_names: tuple[str, ...], needs_grad: dict[str, boo
 
 
 def _attention(in_names) -> Saved:
-    # q, k, v (the first three inputs) and the output; the log-sum-exp (one float per query row) is a
-    # fraction 4 / (head_dim * itemsize) of the output, under 2% at head_dim 128: left out
-    return Saved(frozenset(i for i in range(min(3, len(in_names)))), True, 0.0)
+    # q, k, v, a mask or bias (the fourth tensor input, if any: the memory-efficient kernel keeps it) and the
+    # output; the log-sum-exp (one float per query row) is a fraction 4 / (head_dim * itemsize) of the output,
+    # under 2% at head_dim 128: left out
+    return Saved(frozenset(range(min(4, len(in_names)))), True, 0.0)
 
 
 def _describe(tree, values, needs_grad):

@@ -5,8 +5,8 @@ keeps only what leaves each stretch of that layer's ops and recomputes the
 rest in backward. The rank program's collectives stay outside the
 checkpointed stretches, so backward never issues a collective twice and
 every rank issues the same ones in the same order; what a collective
-returns is kept (the cost model keeps a partial sum, the input of such an
-all-reduce, in its place: `autotp.solve.recompute`). A stretch is a maximal
+returns is kept (the cost model counts a sum's result on its use:
+`autotp.cost.memory.kept_use_bytes`). A stretch is a maximal
 run of consecutive ATen ops of the layer: a module call (a collective, an
 op's own implementation such as a vocabulary-parallel loss, which may hold
 collectives) or any node the lowering added ends it:
