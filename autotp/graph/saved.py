@@ -40,7 +40,7 @@ ATTENTION = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attentio
 class Saved:
     """What an op's backward reads: some of its inputs (by position in ``OpNode.inputs``), its output, and
     ``extra`` bytes of tensors of its own (a dropout mask, a loss's log-probabilities), as a fraction of the
-    bytes of its largest tensor, input or output (so that it scales with the op's local shapes)."""
+    bytes of its largest input or of all its outputs (so that it scales with the op's local shapes)."""
 
     inputs: frozenset
     output: bool
@@ -107,8 +107,8 @@ def _probe(node: fx.Node, in_names, values, needs_grad) -> Saved:
     outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     storage = {made[n].untyped_storage()._cdata: n for n in in_names}
     out_storages = {t.untyped_storage()._cdata for t in outs}
-    largest = max([t.numel() * t.element_size() for t in outs] + [made[n].numel() * made[n].element_size()
-                                                                   for n in in_names]) or 1
+    largest = max([sum(t.numel() * t.element_size() for t in outs)]  # all outputs, as the memory model counts
+                  + [made[n].numel() * made[n].element_size() for n in in_names]) or 1
     inputs, output, extra, seen = set(), False, 0, set()
     for t in packed:
         key = t.untyped_storage()._cdata

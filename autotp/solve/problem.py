@@ -108,11 +108,7 @@ class Problem:
     precision: str = AUTO  # the training precision the memory of parameters' state is counted in
     recompute: list = field(default_factory=list)  # layer classes the ILP may recompute (`autotp.solve.recompute`)
     partial_recompute: bool = False  # any number of a class's layers, or all or none (`layer_counts`)
-
-    @property
-    def recomputable(self) -> frozenset:
-        """The layers (module paths) of every class the ILP may recompute."""
-        return frozenset(layer for rc in self.recompute for layer in rc.layers)
+    recomputable: frozenset = frozenset()  # the layers (module paths) of those classes
     micro_batches: int = 1  # forward and backward run this many times a step; gradient sums and the optimizer once
 
     def strategy(self, node: str, choice: int):
@@ -235,6 +231,7 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
     if training and recompute:  # before the uses: what enters a layer that may be recomputed is kept
         problem.recompute = recompute_classes(graph, problem, mesh, profile, precision)
         problem.partial_recompute = recompute == LAYERS
+        problem.recomputable = frozenset(layer for rc in problem.recompute for layer in rc.layers)
     for (producer, arms), count in canonical.items():
         coster.add_uses(producer, list(arms), count, micro_batches)
     if training and overlap_gradients:
