@@ -39,6 +39,7 @@ import math
 from autotp.errors import PlanError
 from autotp.graph.flops import is_alias
 from autotp.graph.opgraph import KIND_OP, KIND_PARAM, KIND_BUFFER
+from autotp.graph.signature import layer_path
 from autotp.placement import Partial, local_bytes
 
 TERMS = ("parameters", "gradients", "optimizer", "buffers", "activations")
@@ -105,7 +106,7 @@ def kept_input_bytes(op, i: int, layout, mesh, training: bool, checkpointed: boo
 
 
 def kept_use_bytes(producer, consumer, i: int, src, dst, meta, mesh, training: bool, gathered: bool,
-                   checkpointed: bool = False) -> int:
+                   recomputable=frozenset()) -> int:
     """Bytes a redistribution of ``producer``'s output for input ``i`` of ``consumer`` leaves alive until backward.
 
     A sum of partial results (an all-reduce or reduce-scatter) returns the
@@ -115,14 +116,16 @@ def kept_use_bytes(producer, consumer, i: int, src, dst, meta, mesh, training: b
     as it is (``mul(P, R) -> P``) counts where the consumer's backward reads
     it. An all-gathered
     input counts where the consumer's backward reads it or the consumer's
-    layer may be recomputed, ``checkpointed`` (`kept_input_bytes`).
+    layer is among the ``recomputable`` ones (`kept_input_bytes`).
     """
     if not training or consumer is None:
         return 0
     if producer.requires_grad and _partial(src, mesh.shape):  # the partial sum counts here, not on its producer
         if _sums(src, dst, mesh.shape) or (i in consumer.saves_inputs and consumer.requires_grad):
             return local_bytes(meta, dst, mesh.shape)
-    return kept_input_bytes(consumer, i, dst, mesh, training, checkpointed) if gathered else 0
+    if not gathered:
+        return 0
+    return kept_input_bytes(consumer, i, dst, mesh, training, layer_path(consumer) in recomputable)
 
 
 def _sums(src, dst, shape) -> bool:

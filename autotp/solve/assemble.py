@@ -16,7 +16,6 @@ from autotp.cost.compute import compute_time_s
 from autotp.cost.memory import kept_use_bytes, memory_by_term
 from autotp.cost.reshard import cheapest_steps, step_seconds
 from autotp.graph.opgraph import KIND_INPUT, KIND_PARAM
-from autotp.graph.signature import layer_path
 from autotp.placement import layout_str, local_bytes
 from autotp.redistribute import entry_layout, gathers, plan_steps
 from autotp.solve.plan import NodePlan, Plan
@@ -128,9 +127,8 @@ def kept_gathered_bytes(graph, chosen, mesh, training, whole_outputs=False, reco
     for producer, uses, meta, dst, grad, summed, split in distinct_uses(graph, chosen, mesh, training, whole_outputs):
         src = chosen[producer].out
         gathered = gathers(plan_steps(src, dst, meta, mesh.shape), mesh.shape)
-        users = [(None if c == OUTPUT else graph.node(c), i) for c, i in uses]
-        kept += max(kept_use_bytes(graph.node(producer), user, i, src, dst, meta, mesh, training, gathered,
-                                   user is not None and layer_path(user) in recomputable) for user, i in users)
+        kept += max(kept_use_bytes(graph.node(producer), None if c == OUTPUT else graph.node(c), i, src, dst, meta,
+                                   mesh, training, gathered, recomputable) for c, i in uses)
     return kept
 
 

@@ -35,7 +35,6 @@ from autotp.cost.compute import compute_time_s
 from autotp.cost.memory import AUTO, kept_use_bytes, node_memory_bytes
 from autotp.cost.reshard import edge_cost
 from autotp.graph.opgraph import KIND_PARAM, OpGraph
-from autotp.graph.signature import layer_path
 from autotp.placement import R, Shard, local_bytes
 from autotp.solve.chain import Chain, build_chain
 from autotp.solve.layers import Sharing, share_identical_layers
@@ -306,7 +305,7 @@ class _Coster:
         exposed, gradient, gathers = self.memo[memo]
         user = None if consumer == OUTPUT else self.graph.node(consumer)
         kept = kept_use_bytes(self.graph.node(producer), user, i, src, dst, meta, self.mesh, self.training, gathers,
-                              user is not None and layer_path(user) in self.problem.recomputable)
+                              self.problem.recomputable)
         return (dst, grad, axes), exposed, gradient, kept
 
     def gradient_table(self, producer: str, consumer: str, i: int) -> list[list[float]]:
