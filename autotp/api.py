@@ -57,7 +57,8 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
          time_limit_s: float | None = None, memory_limit=AUTO, overlap_gradients: bool = True,
          bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True, solver: str = "auto",
          replay_layers: bool = True, precision: str = AUTO, optimizer_sharding: bool = True,
-         recompute: bool | str = True, micro_batches=AUTO, progress: Stages | None = None) -> Plan:
+         recompute: bool | str = True, micro_batches=AUTO, regather: bool = True,
+         progress: Stages | None = None) -> Plan:
     """Choose a placement for every parameter and op of ``model`` on ``mesh``: the fastest step that fits.
 
     ``pin`` fixes parameter placements (``{"fc1.weight": ("S(0)",)}``) and lets
@@ -94,6 +95,11 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
       ``True`` recomputes a class whole or not at all; ``"layers"`` any
       number of its layers (Megatron's ``--recompute-num-layers``: finer,
       and slower to solve); ``False`` keeps every activation;
+    * ``regather`` lets the ILP keep only the shard of an all-gathered input
+      that backward reads, and gather it again in backward (Megatron's
+      sequence-parallel inputs; FSDP's parameters resharded after forward),
+      for weights and for activations apart; it does so when memory binds,
+      and ``plan.regather`` names the kinds (`autotp.solve.regather`);
     * ``micro_batches``: the example batch is one optimizer step's; the plan
       may run it as k micro-batches of batch/k (gradients summed once, after
       the last), ``plan.micro_batches`` says k and `autotp.runtime.accumulate`
@@ -114,7 +120,8 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     options = dict(training=training, profile=profile, pin=pin, allow=allow, registry=registry,
                    time_limit_s=time_limit_s, memory_limit=memory_limit, overlap_gradients=overlap_gradients,
                    bucket_cap_mb=bucket_cap_mb, whole_outputs=whole_outputs, share_layers=share_layers,
-                   solver=solver, precision=precision, optimizer_sharding=optimizer_sharding, recompute=recompute)
+                   solver=solver, precision=precision, optimizer_sharding=optimizer_sharding, recompute=recompute,
+                   regather=regather)
     best, failure = None, None
     for k in micro_batch_counts(micro_batches, training, example_inputs, example_kwargs):
         args, kwargs = micro_batch(example_inputs, example_kwargs, k)
@@ -178,7 +185,7 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
                   bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True,
                   solver: str = "auto", precision: str = AUTO, optimizer_sharding: bool = True,
                   recompute: bool | str = True, micro_batches: int = 1, beat_s: float | None = None,
-                  progress: Stages | None = None) -> Plan:
+                  regather: bool = True, progress: Stages | None = None) -> Plan:
     """Stages 2 to 5 of `plan` on a captured model: strategies, costs, the ILP, the `Plan`.
 
     ``beat_s``: raise `NoBetterPlan` as soon as the fastest plan, even without
@@ -199,6 +206,8 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
     with stages.stage("costing"):
         problem = build_problem(graph, strategies, mesh, profile, training, overlap_gradients, share_layers,
                                 whole_outputs, int(bucket_cap_mb * 2**20), precision, recompute, micro_batches)
+        if not regather:
+            problem.regather = {}
     limit = (default_memory_limit(profile, training) if memory_limit == AUTO
              else parse_bytes(memory_limit) if memory_limit is not None else None)
     with stages.stage("solving ILP") as stage:
@@ -248,6 +257,8 @@ def memory_limit_error(graph, problem, smallest, mesh, training, limit, whole_ou
     levers = ["every split of every op"]
     if any(s.optimizer_axes for options in problem.strategies.by_node.values() for s in options):
         levers.append("optimizer state and gradients split where weights are whole (ZeRO-1 and 2)")
+    if problem.regather:
+        levers.append("all-gathered inputs gathered again in backward")
     if problem.recompute:
         levers.append(f"recomputation of {len(problem.recompute)} layer class(es)")
     if problem.micro_batches > 1:

@@ -88,7 +88,7 @@ def cmd_plan(args) -> int:
     options = dict(training=training, profile=profile, memory_limit=_memory_limit(args.memory_limit),
                    overlap_gradients=args.overlap_gradients, bucket_cap_mb=args.bucket_cap_mb,
                    whole_outputs=args.whole_outputs, precision=args.precision,
-                   optimizer_sharding=args.optimizer_sharding, recompute=args.recompute)
+                   optimizer_sharding=args.optimizer_sharding, recompute=args.recompute, regather=args.regather)
     micro = _micro_batches(args.micro_batches)
     if saved is not None:  # a re-cost runs the program as the plan was made to run
         runtime = saved.runtime
@@ -332,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute-layers", dest="recompute", action="store_const", const="layers",
                    help="let the plan recompute any number of a class's layers, not only all or none (finer, "
                         "slower to solve)")
+    p.add_argument("--no-regather", dest="regather", action="store_false",
+                   help="keep every all-gathered input backward reads (by default the plan may keep the shard and "
+                        "gather it again in backward when memory binds)")
     p.add_argument("--whole-outputs", action="store_true",
                    help="return every output replicated on every rank (default: each rank its own rows where "
                         "the plan splits the batch, as with DDP; whole otherwise)")

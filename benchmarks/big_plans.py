@@ -62,7 +62,9 @@ def report(name: str, solver: str = "auto", limit=None) -> None:
           f"hidden behind the backward pass - {p['gather_hidden_s'] * 1e3:.1f} ms of ZeRO all-gathers hidden "
           f"behind the next forward (ILP objective {p['objective_s'] * 1e3:.1f} ms)")
     print(f"\nmemory levers: {plan.micro_batches} micro-batch(es) a step, {len(plan.recompute)} layers recomputed, "
-          f"optimizer state split for {len(plan.optimizer_sharding)} of {len(plan.parameters)} parameters")
+          f"optimizer state split for {len(plan.optimizer_sharding)} of {len(plan.parameters)} parameters, "
+          f"gathered again in backward: {', '.join(plan.regather) or 'nothing'} "
+          f"({p['regather_s'] * 1e3:.1f} ms of all-gathers)")
     print("\nmemory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()))
     print(f"\n| parameter | {' | '.join(mesh.names)} | layers |")
     print("|---|" + "---|" * len(mesh.names) + "---|")

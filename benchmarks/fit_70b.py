@@ -6,8 +6,9 @@ defaults (memory limit: the profile's 80 GB less 5%; optimizer state
 splitting, recomputation and micro-batches all allowed) under `h100-hgx`.
 Per case: the predicted step, the levers the plan took, memory per device by
 term, planning time, the Megatron-style baseline costed in the same model
-(`autotp.report.baselines`, ``megatron-sp`` under the same limit), and the
-model FLOPs utilisation
+(`autotp.report.baselines`, ``megatron-sp`` under the same limit), the FSDP
+one (``fsdp``: ZeRO-3 over every device, where the batch splits over all of
+them), and the model FLOPs utilisation
 
     MFU = 6 * parameters * tokens / (step * devices * 989 TFLOP/s)
 
@@ -63,7 +64,8 @@ def report(name: str, recompute=True) -> None:
           f"{len(plan.recompute)} of 80 layers recomputed; optimizer state split for "
           f"{len(plan.optimizer_sharding)} of {len(plan.parameters)} parameters "
           f"({', '.join(sorted({'+'.join(a) for a in plan.optimizer_sharding.values()})) or 'none'}), "
-          f"the gradient too for {len(plan.gradient_sharding)} (ZeRO-2)")
+          f"the gradient too for {len(plan.gradient_sharding)} (ZeRO-2); gathered again in backward: "
+          f"{', '.join(plan.regather) or 'nothing'}")
     print("memory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.memory.items()))
     layouts = sorted({(fqn.split(".")[-2], tuple(layout)) for fqn, layout in plan.parameters.items()
                       if ".layers.0." in fqn})
@@ -74,22 +76,27 @@ def report(name: str, recompute=True) -> None:
 def compare(model, mesh, args, kwargs, params: int, tokens: int, autotp_s: float) -> None:
     """Megatron-LM's recipe costed in the same model: TP + SP on the fast axis, its distributed optimizer and
     recomputation as the limit needs them; the step as one micro-batch, and as micro-batches of one sequence
-    per data-parallel rank (Megatron's usual micro-batch size)."""
+    per data-parallel rank (Megatron's usual micro-batch size). Then FSDP, one micro-batch a step."""
     for k in dict.fromkeys((1, args[0].shape[0] // mesh.shape[0])):
         margs, mkwargs = micro_batch(args, kwargs, k)
-        what = f"megatron-style (TP+SP on tp, ZeRO and recomputation as needed, {k} micro-batch(es) a step)"
         baseline, = baseline_plans(model, mesh, margs, mkwargs, names=("megatron-sp",), profile="h100-hgx",
                                    micro_batches=k)
-        if baseline.plan is None:
-            print(f"{what}: n/a, {baseline.reason.splitlines()[0]}")
-            continue
-        p = baseline.plan
-        mfu = 6 * params * tokens / (p.predicted["total_s"] * mesh.size * PEAK_FLOPS)
-        print(f"{what}: {p.predicted['total_s'] * 1e3:.1f} ms, MFU {mfu:.1%}, {len(p.recompute)} layers "
-              f"recomputed, optimizer state split for {len(p.optimizer_sharding)} parameters; "
-              f"autotp / megatron-style = {autotp_s / p.predicted['total_s']:.3f}")
-    print("FSDP (ZeRO-3 over every device): not in autotp's search space yet (parameters are never stored split "
-          "and gathered at use)")
+        show(f"megatron-style (TP+SP on tp, ZeRO and recomputation as needed, {k} micro-batch(es) a step)",
+             baseline, mesh, params, tokens, autotp_s)
+    baseline, = baseline_plans(model, mesh, args, kwargs, names=("fsdp",), profile="h100-hgx", micro_batches=1)
+    show("FSDP (ZeRO-3 over every device, one micro-batch a step)", baseline, mesh, params, tokens, autotp_s)
+
+
+def show(what: str, baseline, mesh, params: int, tokens: int, autotp_s: float) -> None:
+    """One baseline's line: its step, MFU and levers, and autotp's step over it; or why there is none."""
+    if baseline.plan is None:
+        print(f"{what}: n/a, {baseline.reason.splitlines()[0]}")
+        return
+    p = baseline.plan
+    mfu = 6 * params * tokens / (p.predicted["total_s"] * mesh.size * PEAK_FLOPS)
+    print(f"{what}: {p.predicted['total_s'] * 1e3:.1f} ms, MFU {mfu:.1%}, {len(p.recompute)} layers recomputed, "
+          f"optimizer state split for {len(p.optimizer_sharding)} parameters, gathered again in backward: "
+          f"{', '.join(p.regather) or 'nothing'}; autotp / {baseline.name} = {autotp_s / p.predicted['total_s']:.3f}")
 
 
 def main() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+from torch.nn import functional as F
 
 import autotp
 from autotp.graph.opgraph import KIND_PARAM
@@ -86,3 +88,37 @@ def worst_gradient_error(local, reference, plan, rank: int) -> float:
 def recomputed_stretches(local) -> int:
     """How many stretches of the rank module run under activation checkpointing."""
     return sum(1 for name, _ in local.named_children() if name.startswith("recompute_"))
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden: int, p: float):
+        super().__init__()
+        self.ln = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.drop(self.down(F.gelu(self.up(self.ln(x)))))
+
+
+class DropoutNet(nn.Module):
+    """Two residual MLP blocks with dropout in an ``nn.ModuleList`` (identical layers), and a loss."""
+
+    def __init__(self, p: float, vocab: int = 32, hidden: int = 16):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(_Block(hidden, p) for _ in range(2))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, idx, targets):
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def dropout_net(p: float, seq: int):
+    """A `DropoutNet` (hidden 16, vocabulary 32) and a batch of 4 x ``seq`` tokens and targets, the same each call."""
+    torch.manual_seed(0)
+    return DropoutNet(p), (torch.randint(0, 32, (4, seq)), torch.randint(0, 32, (4, seq)))

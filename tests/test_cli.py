@@ -124,8 +124,8 @@ def test_the_set_of_flags_is_pinned():
     assert flags == {
         "plan": sorted(["--bucket-cap-mb", "--export-dtensor", "--export-tp-plan", "--inference", "--json", "--links",
                         "--memory-limit", "--mesh", "--micro-batches", "--no-baselines", "--no-optimizer-sharding",
-                        "--no-overlap-gradients", "--no-recompute", "--png", "--precision", "--profile", "--quiet",
-                        "--recompute-layers", "--svg", "--tp-plan", "--whole-outputs", *hf]),
+                        "--no-overlap-gradients", "--no-recompute", "--no-regather", "--png", "--precision",
+                        "--profile", "--quiet", "--recompute-layers", "--svg", "--tp-plan", "--whole-outputs", *hf]),
         "verify": sorted(["--links", "--mesh", "--plan", "--profile", "--quiet", "--tolerance", *hf]),
         "explain": ["--profile", "--quiet"],
         "calibrate": ["--backend", "--links", "--max-size", "--mesh", "--name", "--nproc", "--out", "--quiet"],

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-from torch.nn import functional as F
 
 import autotp
 from autotp.errors import MemoryLimitError, PlanError
@@ -28,7 +26,7 @@ from autotp.lower.collectives import CommCounter
 from autotp.runtime import spawn
 from autotp.runtime.verify import scaled_error
 from conftest import compute_bound_profile
-from helpers import make_model, recomputed_stretches, worst_gradient_error
+from helpers import dropout_net, make_model, recomputed_stretches, worst_gradient_error
 
 TOLERANCE = 1e-5
 
@@ -39,9 +37,12 @@ def test_the_ilp_recomputes_layers_only_when_memory_needs_it():
     free = autotp.plan(model, mesh, inputs, profile="h100-hgx")
     assert free.recompute == [] and free.predicted["recompute_s"] == 0.0
     limit = int(free.memory["total"] * 0.27)  # below what any plan without recomputation needs
+    # (nor regathering, which tests/test_regather.py covers: this is recomputation alone)
     with pytest.raises(MemoryLimitError, match=r"optimizer state and gradients split .*smallest any plan reaches"):
-        autotp.plan(model, mesh, inputs, profile="h100-hgx", memory_limit=limit, recompute=False, micro_batches=1)
-    tight = autotp.plan(model, mesh, inputs, profile="h100-hgx", memory_limit=limit, micro_batches=1)
+        autotp.plan(model, mesh, inputs, profile="h100-hgx", memory_limit=limit, recompute=False, micro_batches=1,
+                    regather=False)
+    tight = autotp.plan(model, mesh, inputs, profile="h100-hgx", memory_limit=limit, micro_batches=1,
+                        regather=False)
     assert tight.recompute == ["blocks.0", "blocks.1"]
     assert tight.memory["total"] <= limit
     p = tight.predicted
@@ -52,44 +53,15 @@ def test_the_ilp_recomputes_layers_only_when_memory_needs_it():
     assert autotp.Plan.from_dict(tight.to_dict()).recompute == tight.recompute
     # any number of the class's layers: a larger search space, never a slower plan, the same limit met
     layers = autotp.plan(model, mesh, inputs, profile="h100-hgx", memory_limit=limit, micro_batches=1,
-                         recompute="layers")
+                         recompute="layers", regather=False)
     assert layers.memory["total"] <= limit and set(layers.recompute) <= {"blocks.0", "blocks.1"}
     assert layers.predicted["total_s"] <= tight.predicted["total_s"] * (1 + 1e-9)
     with pytest.raises(PlanError, match="recompute='some'.*'layers'"):
         autotp.plan(model, mesh, inputs, profile="h100-hgx", recompute="some")
 
 
-class Block(nn.Module):
-    def __init__(self, hidden: int, p: float):
-        super().__init__()
-        self.ln = nn.LayerNorm(hidden)
-        self.up = nn.Linear(hidden, 4 * hidden)
-        self.down = nn.Linear(4 * hidden, hidden)
-        self.drop = nn.Dropout(p)
-
-    def forward(self, x):
-        return x + self.drop(self.down(F.gelu(self.up(self.ln(x)))))
-
-
-class DropoutNet(nn.Module):
-    """Two residual MLP blocks with dropout in an ``nn.ModuleList``, and a loss."""
-
-    def __init__(self, p: float, vocab: int = 32, hidden: int = 16):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, p) for _ in range(2))
-        self.head = nn.Linear(hidden, vocab)
-
-    def forward(self, idx, targets):
-        x = self.tok(idx)
-        for block in self.blocks:
-            x = block(x)
-        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
-
-
 def _make(p: float):
-    torch.manual_seed(0)
-    return DropoutNet(p), (torch.randint(0, 32, (4, 6)), torch.randint(0, 32, (4, 6)))
+    return dropout_net(p, seq=6)
 
 
 def _plans(mesh) -> dict:

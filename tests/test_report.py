@@ -105,7 +105,7 @@ def test_report_folds_layers_and_compares_baselines(planned):
                and line.split()[-1] == "×2" for line in out.splitlines())
     assert any(p != "R" for layout in plan.parameters.values() for p in layout)  # really split
     header = next(line for line in out.splitlines() if "replicated" in line and "megatron" in line)
-    assert header.split() == ["autotp", "replicated", "data-parallel", "megatron", "megatron-sp"]
+    assert header.split() == ["autotp", "replicated", "data-parallel", "megatron", "megatron-sp", "fsdp"]
     verdict = next(line for line in out.splitlines() if line.startswith("autotp: "))
     assert "x the best baseline (" in verdict and float(verdict.split(", ")[1].split("x")[0]) <= 1.0
     assert plan.source == {"model": "hf:llama", "batch": 4, "seq": 8,

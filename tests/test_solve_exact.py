@@ -8,14 +8,17 @@ fan-out items (gathered inputs kept for backward), a gradient chain with
 repeated blocks (`autotp.solve.chain`), a prefetch chain of ZeRO's
 all-gathers (`autotp.solve.prefetch`), and layer classes that may be
 recomputed (`autotp.solve.recompute`: forward seconds again, bytes freed,
-one layer's transient). Values come from a few levels, so ties abound.
-Every plan, each class recomputed or not, is enumerated and priced by
-`autotp.solve.step`:
+one layer's transient), and kinds of gathered inputs that may be gathered
+again in backward (`autotp.solve.regather`: seconds added and bytes freed
+on groups, edge pairs and fan-out items). Values come from a few levels, so
+ties abound. Every plan, each class recomputed or not, each kind regathered
+or not, is enumerated and priced by `autotp.solve.step`:
 
 * the ILP's optimum, with and without the reduction, is the best plan's time,
   free and under a binding memory limit, and the least memory when minimised;
-* the best plan the reduction leaves is the best plan of all, and so is the
-  best one agreeing with a protected partial plan (the warm start).
+* the best plan the reduction leaves (of each problem with a set of kinds
+  regathered, as the solver tries them) is the best plan of all, and so is
+  the best one agreeing with a protected partial plan (the warm start).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from autotp.solve.ilp import _BYTES, MemoryInfeasible, solve
 from autotp.solve.prefetch import prefetch_times_s
 from autotp.solve.problem import Arm, FanOut, Group, Problem
 from autotp.solve.recompute import Recompute
+from autotp.solve.regather import KINDS, Regather, folded, kind_sets
 from autotp.solve.reduce import reduce_problem
 from autotp.solve.step import memory_bytes, step_time
 
@@ -68,7 +72,27 @@ def _random_problem(rng: random.Random) -> Problem:
     if rng.random() < 0.5:
         problem.recompute = [_random_recompute(rng, problem) for _ in range(rng.randint(1, 2))]
         problem.partial_recompute = rng.random() < 0.5
+    if rng.random() < 0.5:
+        _random_regather(rng, problem, rng.sample(KINDS, rng.randint(1, 2)))
     return problem
+
+
+def _random_regather(rng, problem: Problem, kinds) -> None:
+    """Seconds added and bytes freed (never more than is kept there) on a few groups, edges and fan-out items,
+    each piece of one kind (as in a real problem, where the producer's kind is its uses')."""
+    problem.regather = {kind: Regather(kind) for kind in kinds}
+    pick = lambda: problem.regather[rng.choice(kinds)]
+    for g in rng.sample(list(problem.groups), rng.randint(0, 2)):
+        group = problem.groups[g]
+        pick().groups[g] = ([_level(rng) for _ in range(group.n)], [rng.choice([0, 1]) * m for m in group.memory_bytes])
+    for e in rng.sample(list(problem.edge_memory), min(len(problem.edge_memory), rng.randint(0, 2))):
+        kept = problem.edge_memory[e]
+        pick().edges[e] = ([[_level(rng) for _ in row] for row in kept], [[rng.choice([0, m]) for m in row] for row in kept])
+    for f, fanout in enumerate(problem.fanouts):
+        r, by_ident = pick(), {}  # items with one ident are one redistribution: they regather alike
+        for k, ident in enumerate(fanout.ident):
+            if fanout.memory_bytes and fanout.memory_bytes[k] and rng.random() < 0.5:
+                r.items[f, k] = by_ident.setdefault(ident, (_level(rng), fanout.memory_bytes[k]))
 
 
 def _random_recompute(rng, problem: Problem) -> Recompute:
@@ -146,23 +170,24 @@ def _random_chain(rng, problem: Problem, pairs: bool = True, after: bool = True)
 def _plans(problem: Problem, reduction=None, recompute: bool = True):
     """Every possible plan the reduction leaves (all when ``None``): ``(choice, time, memory)``.
 
-    Each layer class recomputed whole or not, or any number of its layers with ``partial_recompute`` (the ILP
-    has that choice when memory counts, ``recompute``).
+    Each layer class recomputed whole or not, or any number of its layers with ``partial_recompute``, and each
+    kind regathered or not (the ILP has those choices when memory counts, ``recompute``).
     """
     names = list(problem.groups)
-    subsets = [()]
+    subsets, kinds = [()], [()]
     if recompute:
         options = [range(rc.count + 1) if problem.partial_recompute else (0, rc.count) for rc in problem.recompute]
         subsets = [tuple(enumerate(counts)) for counts in itertools.product(*options)]
+        kinds = [k for n in range(len(problem.regather) + 1) for k in itertools.combinations(problem.regather, n)]
     for picks in itertools.product(*(range(problem.groups[g].n) for g in names)):
         choice = dict(zip(names, picks))
         if reduction and (any(choice[g] not in reduction.choices[g] for g in names)
                           or any(not reduction.pairs[u, v][choice[u], choice[v]] for u, v in problem.edges)):
             continue
-        for recomputed in subsets:
-            total = step_time(problem, choice, recomputed).total_s
+        for recomputed, regathered in itertools.product(subsets, kinds):
+            total = step_time(problem, choice, recomputed, regathered).total_s
             if not math.isinf(total):
-                yield choice, total, memory_bytes(problem, choice, recomputed)
+                yield choice, total, memory_bytes(problem, choice, recomputed, regathered)
 
 
 def _best(plans, limit=None, by="time"):
@@ -193,7 +218,10 @@ def test_the_ilp_and_the_reduction_keep_the_best_plan_of_every_random_problem(se
     agrees = lambda plans: [p for p in plans if all(p[0][g] == c for g, c in kept.items())]
     for time, memory, cap in ((True, False, None), (True, True, limit), (False, True, None)):
         by = "time" if time else "memory"
-        left = list(_plans(problem, reduce_problem(problem, time=time, memory=memory, keep=kept), recompute=memory))
+        left = []  # each set of regathered kinds is its own problem to the solver, and to the reduction
+        for kinds in kind_sets(problem) if memory else [()]:
+            variant = folded(problem, kinds)
+            left += _plans(variant, reduce_problem(variant, time=time, memory=memory, keep=kept), recompute=memory)
         assert _best(left, cap, by) == _best(every, cap, by), (seed, by, cap)
         assert _best(agrees(left), None, by) == _best(agrees(every), None, by), (seed, by, kept)
 

@@ -128,6 +128,19 @@ def kept_use_bytes(producer, consumer, i: int, src, dst, meta, mesh, training: b
     return kept_input_bytes(consumer, i, dst, mesh, training, layer_path(consumer) in recomputable)
 
 
+def regather_saving(producer, src, meta, mesh, kept: int, gathered: bool) -> int:
+    """Bytes regathering frees of a use that keeps ``kept`` bytes: the gathered input, less the shard it keeps.
+
+    Only an all-gathered input of a tensor that is not a partial sum
+    (`autotp.solve.regather`). The shard costs nothing more where it is kept
+    anyway: a parameter's own shard, or an output its producer keeps.
+    """
+    if not (gathered and kept) or _partial(src, mesh.shape):
+        return 0
+    shard = 0 if producer.kind == KIND_PARAM or producer.keeps_output else local_bytes(meta, src, mesh.shape)
+    return max(0, kept - shard)
+
+
 def _sums(src, dst, shape) -> bool:
     return any(isinstance(p, Partial) and not isinstance(q, Partial) and n > 1 for p, q, n in zip(src, dst, shape))
 

@@ -73,11 +73,14 @@ def edge_times_s(src, dst, meta, mesh, profile, training: bool, requires_grad: b
 
 
 def edge_cost(src, dst, meta, mesh, profile, training: bool, requires_grad: bool, grad_axes=(),
-              deferred: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[float, float, bool]:
-    """`edge_times_s`, and whether the redistribution all-gathers: the tensor its use gets is a new buffer."""
+              deferred: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[float, float, bool, float]:
+    """`edge_times_s`; whether the redistribution all-gathers (the tensor its use gets is a new buffer); and
+    then the seconds of its forward steps, which backward runs again to gather it anew (`autotp.solve.regather`)."""
     grad = training and requires_grad
     try:
         steps = cheapest_steps(src, dst, meta, mesh, profile, grad, grad_axes, deferred, bucket_bytes)
     except Unsupported:
-        return math.inf, 0.0, False
-    return (*steps_times_s(steps, mesh, profile, grad, deferred, bucket_bytes), gathers(steps, mesh.shape))
+        return math.inf, 0.0, False, 0.0
+    gathered = gathers(steps, mesh.shape)
+    again = sum(step_seconds(steps, mesh, profile, False)[0]) if gathered else 0.0
+    return (*steps_times_s(steps, mesh, profile, grad, deferred, bucket_bytes), gathered, again)

@@ -32,6 +32,7 @@ from torch import nn
 
 from autotp.lower.batch_rule import DEFAULT_CAP_BYTES, Item, batch_groups
 from autotp.lower.collectives import Collective, count
+from autotp.lower.regather import regathering_nodes
 
 
 def _all_gather(out, x, group, async_op):
@@ -231,9 +232,11 @@ def batch_collectives(gm: fx.GraphModule, batch: bool = True, overlap: bool = Tr
     Returns the number of collectives left. With neither ``batch`` nor
     ``overlap`` the graph is left as it is.
     """
-    nodes = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Collective)]
+    regathering = set(regathering_nodes(gm))  # their outputs are tagged for backward to gather again: left alone
+    nodes = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Collective)
+             and n not in regathering]
     if not (batch or overlap) or not nodes:
-        return len(nodes)
+        return len(nodes) + len(regathering)
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     index = {n: i for i, n in enumerate(nodes)}
     items = []
@@ -245,11 +248,11 @@ def batch_collectives(gm: fx.GraphModule, batch: bool = True, overlap: bool = Tr
     groups = batch_groups(items, cap_bytes) if batch else [[i] for i in range(len(nodes))]
     for g, members in enumerate(groups):
         _replace(gm, [nodes[i] for i in members], g, overlap)
-    for name in {n.target for n in nodes}:  # the Collective modules no node calls any more
+    for name in {n.target for n in nodes} - {n.target for n in regathering}:  # modules no node calls any more
         gm.delete_submodule(name)
     gm.graph.lint()
     gm.recompile()
-    return len(groups)
+    return len(groups) + len(regathering)
 
 
 def _replace(gm: fx.GraphModule, members: list[fx.Node], g: int, overlap: bool) -> None:

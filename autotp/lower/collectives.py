@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autotp.lower.regather import tag, tagged
+
 
 @dataclass
 class CommCounter:
@@ -149,18 +151,29 @@ class AxisComm:
 
 
 class Collective(nn.Module):
-    """A collective on one mesh axis, called from the lowered graph."""
+    """A collective on one mesh axis, called from the lowered graph.
 
-    def __init__(self, kind: str, comm: AxisComm, dim: int | None = None):
+    ``regather``: what it returns is kept as its input and gathered again
+    in backward (`autotp.lower.regather`); so is what any collective returns
+    from such a tensor, the later steps of the same redistribution.
+    """
+
+    def __init__(self, kind: str, comm: AxisComm, dim: int | None = None, regather: bool = False):
         super().__init__()
-        self.kind, self.comm, self.dim = kind, comm, dim
+        self.kind, self.comm, self.dim, self.regather = kind, comm, dim, regather
 
     def forward(self, x):
-        return _CollectiveFn.apply(x, self.kind, self.comm, self.dim)
+        out = _CollectiveFn.apply(x, self.kind, self.comm, self.dim)
+        return tag(out, x, self) if self.regather or tagged(x) else out
+
+    def run(self, x):
+        """The forward collective alone, outside autograd: backward's rebuild of a regathered tensor."""
+        return DUALS[self.kind][0](x, self.comm, self.dim)
 
     def extra_repr(self) -> str:
         dim = f", dim={self.dim}" if self.dim is not None else ""
-        return f"{self.kind} on {self.comm.name} ({self.comm.size} ranks){dim}"
+        again = ", gathered again in backward" if self.regather else ""
+        return f"{self.kind} on {self.comm.name} ({self.comm.size} ranks){dim}{again}"
 
 
 class _ChainFn(torch.autograd.Function):

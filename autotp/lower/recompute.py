@@ -6,7 +6,10 @@ rest in backward. The rank program's collectives stay outside the
 checkpointed stretches, so backward never issues a collective twice and
 every rank issues the same ones in the same order; what a collective
 returns is kept (the cost model counts a sum's result on its use:
-`autotp.cost.memory.kept_use_bytes`). A stretch is a maximal
+`autotp.cost.memory.kept_use_bytes`), except where the plan regathers it:
+an all-gather whose output only the layer reads then joins the stretch, so
+the checkpoint keeps its input, and recomputing the stretch gathers again
+(`autotp.lower.regather`). A stretch is a maximal
 run of consecutive ATen ops of the layer: a module call (a collective, an
 op's own implementation such as a vocabulary-parallel loss, which may hold
 collectives) or any node the lowering added ends it:
@@ -27,6 +30,7 @@ from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
 from autotp.graph.signature import layer_path
+from autotp.lower.regather import regathering_nodes
 
 
 class Recomputed(nn.Module):
@@ -46,9 +50,10 @@ def recompute_layers(gm: fx.GraphModule, graph, layers) -> int:
     if not wanted:
         return 0
     layer = {op.name: path for op in graph.nodes() if (path := layer_path(op)) is not None}
+    inside = _regathering_inside(gm, layer)
     stretches, run, owner = [], [], None
     for node in gm.graph.nodes:  # a module call (a collective, or an op's own implementation) ends a stretch
-        mine = layer.get(node.name) if node.op == "call_function" else None
+        mine = layer.get(node.name) if node.op == "call_function" else inside.get(node)
         if mine is not None and mine in wanted and (not run or mine == owner):
             run.append(node)
             owner = mine
@@ -65,6 +70,17 @@ def recompute_layers(gm: fx.GraphModule, graph, layers) -> int:
     gm.graph.lint()
     gm.recompile()
     return len(stretches)
+
+
+def _regathering_inside(gm: fx.GraphModule, layer: dict) -> dict[fx.Node, str]:
+    """Regathering collectives (`autotp.lower.regather`) whose every user is in one layer: that layer's, so the
+    checkpoint keeps their input, the shard, and its recomputation gathers again."""
+    inside: dict[fx.Node, str] = {}
+    for node in reversed(regathering_nodes(gm)):  # a later step first: the one before it may feed only it
+        owners = {layer.get(u.name) if u.op == "call_function" else inside.get(u) for u in node.users}
+        if len(owners) == 1 and None not in owners:
+            inside[node] = owners.pop()
+    return inside
 
 
 def _checkpoint(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> None:

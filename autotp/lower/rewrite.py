@@ -36,10 +36,12 @@ from autotp.lower.impls import build_impl
 from autotp.lower.local_args import local_target, localize_args
 from autotp.lower.pending import wait_at_first_use
 from autotp.lower.recompute import recompute_layers
+from autotp.lower.regather import install_regather_hooks
 from autotp.lower.reducer import GRADIENT_SLICE, GradientReducer
 from autotp.placement import R, Shard, local_shape, parse_layout, shard_factor, shard_index
-from autotp.redistribute import SLICE, Unsupported, is_gradient_sum, replay_steps, step_units
+from autotp.redistribute import ALL_GATHER, SLICE, Unsupported, gathers, is_gradient_sum, replay_steps, step_units
 from autotp.solve.problem import OUTPUT, deferred_parameters, split_gradient_axes, use_target, uses_of
+from autotp.solve.regather import regather_kind
 from autotp.strategies.base import Strategy
 
 
@@ -87,12 +89,12 @@ class _Lowerer:
             if c.get("form"):
                 self.forms.setdefault((c["node"], c["input"], c["producer"]), set()).add(c["form"])
 
-    def collective(self, kind: str, axis: int, dim, span=()) -> str:
-        key = (kind, axis, dim, tuple(span))
+    def collective(self, kind: str, axis: int, dim, span=(), regather: bool = False) -> str:
+        key = (kind, axis, dim, tuple(span), regather)
         if key not in self.modules:
             comm = self.span_comm(tuple(span)) if len(span) > 1 else self.comms[axis]
-            name = f"{kind}_{comm.name}" + (f"_d{dim}" if dim is not None else "")
-            self.gm.add_submodule(name, Collective(kind, comm, dim))
+            name = f"{kind}_{comm.name}" + (f"_d{dim}" if dim is not None else "") + ("_regather" if regather else "")
+            self.gm.add_submodule(name, Collective(kind, comm, dim, regather))
             self.modules[key] = name
         return self.modules[key]
 
@@ -131,7 +133,7 @@ class _Lowerer:
         return self.modules[key]
 
     def redistribute(self, node: fx.Node, src, dst, grad: bool, grad_axes=(), consumer=("output", 0),
-                     producer: str | None = None, split: tuple = ()) -> fx.Node:
+                     producer: str | None = None, split: tuple = (), regather: bool = False) -> fx.Node:
         """Insert the steps from ``src`` to ``dst`` (and the gradient all-reduces) before the current point.
 
         Uses that need the same tensor in the same layout (a gradient flowing
@@ -143,7 +145,9 @@ class _Lowerer:
         plan's producer, when ``node`` stands for it: an input's entry cut).
         A deferred parameter's gradient sum goes to the gradient reducer
         instead of the graph, and so does a ZeRO-2 parameter's, which ends in
-        a reduce-scatter over ``split`` into its optimizer slices.
+        a reduce-scatter over ``split`` into its optimizer slices. With
+        ``regather`` the first all-gather keeps its input for backward to
+        gather again (`autotp.lower.regather`) instead of what it returns.
         """
         producer = producer or node.name
         meta = meta_of(node.meta["val"])
@@ -159,10 +163,13 @@ class _Lowerer:
                 self.defer(node, steps, consumer[0], split)
                 self.shared[key] = node
                 return node
-            out = node
+            out, again = node, regather and gathers(steps, self.mesh.shape)
             for unit in step_units([s for s in steps if self.mesh.shape[s.axis] > 1]):
                 s = unit[0]
-                module = self.collective(s.kind, s.axis, s.dim, s.span) if len(unit) == 1 else self.chain(unit)
+                first = again and s.forward_kind == ALL_GATHER and not s.form
+                again = again and not first
+                module = (self.collective(s.kind, s.axis, s.dim, s.span, first) if len(unit) == 1
+                          else self.chain(unit))
                 out = self._call(module, out)
             self.shared[key] = out
         return self.shared[key]
@@ -179,8 +186,9 @@ class _Lowerer:
         if summed is None or (split and node.name not in self.deferred):
             raise PlanError(f"the plan reduce-scatters the gradient of {node.name!r} into its optimizer slices, but "
                             f"its use by {consumer!r} cannot (the plan was edited or made for another model); re-plan")
+        regather = self.plan.training and regather_kind(self.graph.node(node.name)) in self.plan.regather
         return self.redistribute(fed, src, dst, grad, summed, ("output", 0) if consumer == OUTPUT else (consumer, i),
-                                 producer=node.name, split=split)
+                                 producer=node.name, split=split, regather=regather and consumer != OUTPUT)
 
     def defer(self, node: fx.Node, steps, consumer: str, split: tuple = ()) -> None:
         """Hand a parameter's gradient sum to the reducer: its steps' backward collectives, in the order they run.
@@ -328,6 +336,8 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, graph=None, batch
     gm.recompile()
     batch_collectives(gm, batch, overlap)
     recompute_layers(gm, graph, plan.recompute if plan.training else ())
+    if plan.training and plan.regather:
+        install_regather_hooks(gm)
     prefetch = plan.training and plan.runtime["overlap_gradients"]
     if prefetch and optimizer_shards:  # the all-gathers after the optimizer step land just before first use
         first = wait_at_first_use(gm, [p for p, _ in optimizer_shards])

@@ -11,7 +11,11 @@
 - **megatron-sp**: the same weights, with sequence parallelism: no activation
   of the residual stream's width is replicated on that axis, so each
   all-reduce becomes a reduce-scatter and an all-gather, and the norms and
-  residual adds between the blocks run on a slice of the sequence.
+  residual adds between the blocks run on a slice of the sequence;
+- **fsdp**: FSDP, ZeRO-3 over every device: the batch split as in
+  data-parallel, and every parameter stored split on every mesh axis (one
+  too small for that stays whole), all-gathered at use and, when memory
+  binds, gathered again in backward (`autotp.solve.regather`).
 
 Each is `autotp.plan` on the same capture with pins or a strategy filter, so
 its step time and memory are comparable with the ILP's, and each is a point
@@ -37,7 +41,7 @@ COLUMN = ("q_proj", "k_proj", "v_proj", "q", "k", "v", "query", "key", "value", 
           "fc1", "w1", "w3", "c_attn", "c_fc")
 ROW = ("o_proj", "down_proj", "out_proj", "proj", "down", "fc2", "w2", "c_proj", "attention.output.dense",
        "output.dense")
-NAMES = ("replicated", "data-parallel", "megatron", "megatron-sp")
+NAMES = ("replicated", "data-parallel", "megatron", "megatron-sp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -95,11 +99,12 @@ def _constraints(name: str, model, mesh, example_inputs, graph) -> tuple[dict, s
     """The pins or filter of one baseline, or why it does not apply to this model."""
     if name == "replicated":
         return {"allow": replicated_only}, ""
-    if name == "data-parallel":
+    if name in ("data-parallel", "fsdp"):
         batch = _batch_size(example_inputs)
         if batch is None or batch % mesh.size:
             return {}, f"the batch ({batch}) does not split over {mesh.size} devices"
-        return {"allow": batch_split_only(batch, graph)}, ""
+        return {"allow": batch_split_only(batch, graph) if name == "data-parallel"
+                else fully_sharded_only(batch, mesh.shape, graph)}, ""
     styles = megatron_styles(model)
     if not styles:
         return {}, "no Linear layers named q/k/v/up/gate or o/down/proj"
@@ -144,6 +149,18 @@ def batch_split_only(batch: int, graph=None):
         carries_batch = (op.kind != KIND_PARAM and op.out and op.out[0].shape and op.out[0].shape[0] % batch == 0
                          and (carriers is None or op.name in carriers))
         return not carries_batch or all(p == Shard(0) for p in strategy.out)
+
+    return allow
+
+
+def fully_sharded_only(batch: int, mesh_shape, graph=None):
+    """A filter for FSDP: data parallelism (`batch_split_only`), each parameter split on every axis of size > 1."""
+    data = batch_split_only(batch, graph)
+
+    def allow(op, strategy) -> bool:
+        if op.kind == KIND_PARAM:
+            return all(isinstance(p, Shard) for p, n in zip(strategy.out, mesh_shape) if n > 1)
+        return data(op, strategy)
 
     return allow
 

@@ -102,6 +102,14 @@ def recompute_lines(plan) -> list[str]:
     return [f"recomputed in backward: {layers} (forward compute {format_seconds(plan.predicted['recompute_s'])})"]
 
 
+def regather_lines(plan) -> list[str]:
+    """The kinds of all-gathered inputs kept as shards and gathered again in backward (`autotp.solve.regather`)."""
+    if not plan.regather:
+        return []
+    return [f"gathered again in backward: all-gathered {' and '.join(plan.regather)} kept as shards "
+            f"({format_seconds(plan.predicted.get('regather_s', 0.0))} of all-gathers)"]
+
+
 def fallback_lines(plan) -> list[str]:
     if not plan.fallback_ops:
         return ["fallback ops: none (every op had a strategy rule)"]
@@ -179,7 +187,7 @@ def format_plan(plan, baselines=None) -> str:
     lines += parameter_lines(plan)
     lines += ["", "collectives (per layer where layers are identical; 'time each' is one call):"]
     lines += collective_lines(plan)
-    lines += ["", time_line(plan), memory_line(plan)] + recompute_lines(plan)
+    lines += ["", time_line(plan), memory_line(plan)] + recompute_lines(plan) + regather_lines(plan)
     lines.append(f"ILP: {plan.ilp['ops']} ops in {plan.ilp['groups']} groups, "
                  f"{plan.ilp['variables']} variables, {plan.ilp['constraints']} constraints")
     if baselines:

@@ -3,7 +3,8 @@
 The predicted step time is `autotp.solve.step.step_time` of the chosen
 choices: the ILP's own objective. The list of collectives is the same model
 seen per collective (one record per distinct redistribution of a tensor, as
-the lowering shares them), so compute plus every record, less what the
+the lowering shares them), so compute plus every record and the all-gathers
+backward runs again (``regather_s``, `autotp.solve.regather`), less what the
 passes hide (``hidden_s``: gradient sums behind the backward pass, ZeRO's
 all-gathers behind the next forward), is that step time again.
 """
@@ -22,7 +23,7 @@ from autotp.solve.plan import NodePlan, Plan
 from autotp.solve.problem import (OUTPUT, deferred_parameters, output_layout, split_gradient_axes, use_target,
                                   uses_of)
 from autotp.solve.recompute import recompute_effect, recomputed_layers
-from autotp.solve.step import step_time
+from autotp.solve.step import regather_effect, step_time
 
 
 def chosen_strategies(problem, solution) -> dict:
@@ -169,9 +170,10 @@ def calls_per_step(record: dict, micro_batches: int) -> int:
 
 def plan_memory(graph, problem, solution, chosen, mesh, training, whole_outputs: bool = False) -> dict[str, int]:
     """Memory per device by term; recomputed layers keep fewer activations, and rebuild one layer's at a time;
-    all-gathered inputs kept for backward count as activations."""
+    all-gathered inputs kept for backward count as activations, less what regathering them frees."""
     terms = memory_by_term(graph, chosen, mesh, training, problem.precision, problem.micro_batches)
     _, freed, transient = recompute_effect(problem, solution.choice, solution.recompute)
+    freed += regather_effect(problem, solution.choice, solution.regather)[1]
     extra = kept_gathered_bytes(graph, chosen, mesh, training, whole_outputs, problem.recomputable) + transient - freed
     terms["activations"] += extra
     terms["total"] += extra
@@ -183,8 +185,9 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
     deferred = deferred_parameters(graph, uses_of(graph)) if problem.overlap_gradients else set()
     collectives = all_collectives(graph, chosen, mesh, profile, training, whole_outputs, deferred,
                                   problem.bucket_bytes)
-    step, k = step_time(problem, solution.choice, solution.recompute), problem.micro_batches
+    step, k = step_time(problem, solution.choice, solution.recompute, solution.regather), problem.micro_batches
     again_s = recompute_effect(problem, solution.choice, solution.recompute)[0]
+    regather_s = regather_effect(problem, solution.choice, solution.regather)[0]
     nodes = {op.name: NodePlan(op.op_name, layout_str(chosen[op.name].out),
                                tuple(layout_str(layout) for layout in chosen[op.name].ins), chosen[op.name].impl)
              for op in graph.nodes()}
@@ -198,7 +201,8 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
         predicted={"compute_s": again_s + k * sum(compute_time_s(op, chosen[op.name], mesh, profile, training)
                                                   for op in graph.nodes()),
                    "recompute_s": again_s,
-                   "comm_s": sum(c["time_s"] * calls_per_step(c, k) for c in collectives),
+                   "comm_s": regather_s + sum(c["time_s"] * calls_per_step(c, k) for c in collectives),
+                   "regather_s": regather_s,
                    "gradient_s": step.gradient_s, "gradient_hidden_s": step.gradient_hidden_s,
                    "gather_s": step.gather_s, "gather_hidden_s": step.gather_hidden_s,
                    "hidden_s": step.gradient_hidden_s + step.gather_hidden_s,
@@ -213,6 +217,7 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
         optimizer_sharding=optimizer,
         gradient_sharding=gradients,
         recompute=recomputed_layers(problem, solution.recompute),
+        regather=list(solution.regather),
         micro_batches=k,
         io=io_layouts(graph, chosen, mesh, whole_outputs),
     )

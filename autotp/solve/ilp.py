@@ -22,7 +22,9 @@ its optimum is the plan's predicted step time (`autotp.solve.step`):
 
 Coefficients are scaled to microseconds and MiB for the solver's tolerances;
 the objective is reported in seconds. A memory limit is one more linear
-constraint: the sum over groups of each choice's bytes per device.
+constraint: the sum over groups of each choice's bytes per device. Under a
+binding limit each set of regathered kinds (`autotp.solve.regather`) is
+solved as its own problem and the fastest plan kept.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from autotp.solve.gap import (complete_start, lp_relaxation_bound, optimality_ga
                               warm_start_replicated, warn_gap)
 from autotp.solve.problem import Problem
 from autotp.solve.recompute import layer_counts
+from autotp.solve.regather import folded, kind_sets
 from autotp.solve.reduce import possible, reduce_problem
-from autotp.solve.step import memory_bytes
+from autotp.solve.step import memory_bytes, regather_effect
 
 _SCALE = 1e6  # seconds -> microseconds inside the solver
 _BYTES = 2 ** 20  # bytes -> MiB inside the solver
@@ -57,6 +60,7 @@ class Solution:
     gap: float | None = None  # only when a time limit stopped the solver: (objective - bound) / objective
     solver: str = "cbc"
     recompute: tuple[tuple[int, int], ...] = ()  # (index into problem.recompute, how many of its layers)
+    regather: tuple[str, ...] = ()  # the kinds of gathered inputs gathered again in backward (`autotp.solve.regather`)
     limited: bool = False  # solved under the memory limit: the fastest plan did not fit
 
 
@@ -110,7 +114,7 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
         if problem.prefetch is not None:
             objective.append(_prefetch_wait(lp, problem.prefetch, x, y))
     r = {}
-    if problem.recompute and (minimise == "memory" or memory_limit_bytes is not None):
+    if problem.recompute and counts_memory:
         r = _recompute_terms(lp, problem, x, objective, memory)
     if memory_limit_bytes is not None:
         lp += pulp.lpSum(memory) <= memory_limit_bytes / _BYTES, "memory_limit"
@@ -319,16 +323,71 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     if memory_limit_bytes is None or (free.status == "Optimal"
                                       and memory_bytes(problem, free.choice, free.recompute) <= memory_limit_bytes):
         return _finish(free, time_limit_s)
-    solution = _run(*_model(problem, "time", memory_limit_bytes, reduce), time_limit_s, solver)
+    solution = _limited(problem, memory_limit_bytes, reduce, time_limit_s, solver)
     if solution.status == "Infeasible":
-        # no limit: the error quotes this exact minimum
-        smallest = _run(*_model(problem, "memory", None, reduce), None, solver)
+        # no limit: the error quotes this exact minimum, every kind regathered (which only frees memory)
+        everything = kind_sets(problem)[0]
+        smallest = _run(*_model(folded(problem, everything), "memory", None, reduce), None, solver)
+        smallest = _effective(problem, replace(smallest, regather=everything))
         if time_limit_s is None or smallest.objective_s * _BYTES > memory_limit_bytes:
             raise MemoryInfeasible(smallest)
         # a CBC stopped by its time limit can call a feasible problem infeasible: report the limit instead
         solution = Solution({}, math.inf, solution.variables, solution.constraints, solution.solve_s, "Not Solved",
                             solver=solver)
     return replace(_finish(solution, time_limit_s, free.solve_s), limited=True)
+
+
+def _effective(problem: Problem, solution: Solution) -> Solution:
+    """``solution`` without the regather kinds that change nothing under its choices (a set tried whose kind
+    has nothing to regather there), so the plan names only what the lowering has to do."""
+    if solution.status != "Optimal":
+        return solution
+    kinds = tuple(k for k in solution.regather if any(regather_effect(problem, solution.choice, (k,))))
+    return replace(solution, regather=kinds)
+
+
+def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver: str) -> Solution:
+    """The fastest plan under the memory limit, over every set of regathered kinds (`autotp.solve.regather`).
+
+    Each set is its own problem, solved the largest set first (the most room);
+    a later one is skipped when its LP relaxation under the limit is no faster
+    than the best plan so far.
+    """
+    best, spent, last = None, 0.0, None
+    for kinds in kind_sets(problem):
+        variant = folded(problem, kinds)
+        if best is not None and time_limit_s is None:
+            bound = lp_relaxation_bound(_model(variant, "time", limit, reduce)[0])
+            if bound is not None and bound >= best.objective_s * (1 + _BOUND_MARGIN):
+                continue
+        last = _within(variant, limit, reduce, time_limit_s, solver)
+        spent += last.solve_s
+        if last.status == "Optimal" and (best is None or last.objective_s < best.objective_s):
+            best = replace(last, regather=kinds)
+        elif last.status not in ("Optimal", "Infeasible"):
+            return last  # stopped by the time limit, or the solver failed: say so
+    if best is None:
+        return last
+    return replace(_effective(problem, best), solve_s=spent)
+
+
+def _within(problem: Problem, limit: float, reduce: bool, time_limit_s, solver: str, tries: int = 4) -> Solution:
+    """The fastest plan under the memory limit, checked in exact bytes.
+
+    The solver meets each row to its feasibility tolerance (1e-6 of a MiB),
+    so a plan may exceed the limit by a few bytes; the row is then tightened
+    by the excess and solved again.
+    """
+    row = limit
+    for _ in range(tries):
+        solution = _run(*_model(problem, "time", row, reduce), time_limit_s, solver)
+        if solution.status != "Optimal":
+            return solution
+        excess = memory_bytes(problem, solution.choice, solution.recompute) - limit
+        if excess <= 0:
+            return solution
+        row -= excess
+    return replace(solution, status="Infeasible")
 
 
 def _finish(solution: Solution, time_limit_s, earlier_s: float = 0.0) -> Solution:
@@ -340,8 +399,7 @@ def _finish(solution: Solution, time_limit_s, earlier_s: float = 0.0) -> Solutio
         raise SolverError(f"the ILP solver returned {solution.status!r}; try a longer time limit or fewer mesh axes")
     if solution.gap is not None:
         warn_gap(solution.gap, time_limit_s)
-    return Solution(solution.choice, solution.objective_s / _SCALE, solution.variables, solution.constraints,
-                    solution.solve_s + earlier_s, solution.status, solution.gap, solution.solver, solution.recompute)
+    return replace(solution, objective_s=solution.objective_s / _SCALE, solve_s=solution.solve_s + earlier_s)
 
 
 def _pair_variables(lp, xu: dict, xv: dict, kept, tag: str) -> dict:

@@ -16,8 +16,8 @@ from autotp.fileio import atomic_write_text
 from autotp.mesh import Mesh
 from autotp.placement import parse_layout
 
-PLAN_VERSION = 6  # 6 added ``gradient_sharding``; 5 ``optimizer_sharding``, ``recompute`` and ``micro_batches``; 4 ``runtime`` and ``io``; 3 ``source`` and ``scopes``
-READABLE_VERSIONS = (2, 3, 4, 5, 6)
+PLAN_VERSION = 7  # 7 added ``regather``; 6 ``gradient_sharding``; 5 ``optimizer_sharding``, ``recompute`` and ``micro_batches``; 4 ``runtime`` and ``io``; 3 ``source`` and ``scopes``
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7)
 # what plans made before version 4 mean: every output whole, gradient sums run where they are used
 LEGACY_RUNTIME = {"overlap_gradients": False, "bucket_bytes": 25 * 2**20, "whole_outputs": True}
 
@@ -68,6 +68,8 @@ class Plan:
     recompute: list[str] = field(default_factory=list)
     # a step runs this many micro-batches of ``inputs`` (the example batch / k), gradients summed once
     micro_batches: int = 1
+    # the kinds of all-gathered inputs ("weights", "activations") kept as shards and gathered again in backward
+    regather: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -82,6 +84,7 @@ class Plan:
             "optimizer_sharding": {k: list(v) for k, v in self.optimizer_sharding.items()},
             "gradient_sharding": list(self.gradient_sharding),
             "recompute": list(self.recompute), "micro_batches": self.micro_batches,
+            "regather": list(self.regather),
         }
 
     def to_json(self) -> str:
@@ -107,6 +110,7 @@ class Plan:
             optimizer_sharding={k: list(v) for k, v in (d.get("optimizer_sharding") or {}).items()},
             gradient_sharding=list(d.get("gradient_sharding") or []),
             recompute=list(d.get("recompute") or []), micro_batches=int(d.get("micro_batches", 1)),
+            regather=list(d.get("regather") or []),
         )
 
     @classmethod

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from autotp.cost.comm import DEFAULT_BUCKET_BYTES, gradient_slice_time_s, inner_time_s, optimizer_time_s
 from autotp.cost.compute import compute_time_s
-from autotp.cost.memory import AUTO, kept_use_bytes, node_memory_bytes
+from autotp.cost.memory import AUTO, kept_use_bytes, node_memory_bytes, regather_saving
 from autotp.cost.reshard import edge_cost
 from autotp.graph.opgraph import KIND_PARAM, OpGraph
 from autotp.placement import R, Shard, local_bytes
@@ -40,9 +40,11 @@ from autotp.solve.chain import Chain, build_chain
 from autotp.solve.layers import Sharing, share_identical_layers
 from autotp.solve.prefetch import build_prefetch
 from autotp.solve.recompute import LAYERS, recompute_classes
+from autotp.solve.regather import Regather, regather_kind
 from autotp.strategies.enumerate import OpStrategies
 
 OUTPUT = "output"  # the consumer name of a use that returns the tensor from the program
+_NOTHING = (0.0, 0)  # a use's regather seconds and freed bytes where it keeps no gathered input
 
 
 @dataclass
@@ -109,6 +111,7 @@ class Problem:
     partial_recompute: bool = False  # any number of a class's layers, or all or none (`layer_counts`)
     recomputable: frozenset = frozenset()  # the layers (module paths) of those classes
     micro_batches: int = 1  # forward and backward run this many times a step; gradient sums and the optimizer once
+    regather: dict[str, Regather] = field(default_factory=dict)  # kind -> what regathering its uses adds and frees
 
     def strategy(self, node: str, choice: int):
         group = self.groups[self.group_of[node]]
@@ -117,6 +120,22 @@ class Problem:
     @property
     def overlap_gradients(self) -> bool:
         return self.chain is not None
+
+    def regathering(self, producer) -> Regather:
+        """The `Regather` that uses of ``producer``'s output follow (`autotp.solve.regather`)."""
+        kind = regather_kind(producer)
+        return self.regather.setdefault(kind, Regather(kind))
+
+
+def arm_item(fanout, arm, choice: dict[str, int]) -> int:
+    """The item (or -1) one use of a fan-out needs under ``choice``."""
+    row = arm.items[choice[fanout.producer]]
+    return row[0] if arm.consumer is None or arm.consumer == fanout.producer else row[choice[arm.consumer]]
+
+
+def used_items(fanout, choice: dict[str, int]) -> set[int]:
+    """The items of a fan-out that ``choice`` runs: each once, whichever uses need it."""
+    return {arm_item(fanout, arm, choice) for arm in fanout.arms} - {-1}
 
 
 def output_layout(src, meta, whole: bool):
@@ -233,6 +252,7 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
         problem.recomputable = frozenset(layer for rc in problem.recompute for layer in rc.layers)
     for (producer, arms), count in canonical.items():
         coster.add_uses(producer, list(arms), count, micro_batches)
+    problem.regather = {kind: r for kind, r in problem.regather.items() if training and (r.groups or r.edges or r.items)}
     if training and overlap_gradients:
         problem.chain = build_chain(graph, problem, deferred, coster.gradient_table, mesh, profile, training)
         problem.prefetch = build_prefetch(graph, problem, mesh, profile)
@@ -273,14 +293,16 @@ class _Coster:
         """Whether ``op``'s all-gather after the optimizer step goes to the prefetch chain (`build_prefetch`)."""
         return self.training and self.overlap and bool(self.graph.consumers(op.name))
 
-    def use(self, producer: str, consumer: str, i: int, cu: int, cv: int) -> tuple[tuple | None, float, float, int]:
-        """``(target key, exposed, gradient, kept)`` of one use for one pair of choices: seconds, and bytes.
+    def use(self, producer: str, consumer: str, i: int, cu: int, cv: int) -> tuple:
+        """``(target key, exposed, gradient, kept, regather)`` of one use for one pair of choices.
 
         The key is what the lowering shares a redistribution by (`use_target`).
         ``None`` with infinite time: the pair cannot be (the pieces of a split
         are taken as produced). ``kept``: the bytes the redistribution leaves
         alive until backward (`kept_use_bytes`: a sum's result, an all-gathered
-        input the consumer's backward reads).
+        input the consumer's backward reads). ``regather``: the seconds and the
+        bytes freed if that gathered input is gathered again in backward instead
+        (`autotp.solve.regather`), ``(0.0, 0)`` where nothing is kept.
         """
         made = self.problem.strategy(producer, cu)
         src = made.out
@@ -288,25 +310,26 @@ class _Coster:
         meta, dst, grad, axes = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer,
                                            consumer, i, src, strategy)
         if consumer != OUTPUT and self.graph.node(producer).multi_output and src != dst:
-            return None, math.inf, 0.0, 0
+            return None, math.inf, 0.0, 0, _NOTHING
         split = made.gradient_slice_axes
         summed = split_gradient_axes(split, src, dst, grad, axes)
         if summed is None:
-            return None, math.inf, 0.0, 0
+            return None, math.inf, 0.0, 0, _NOTHING
         deferred = producer in self.deferred
         memo = (src, dst, meta, grad, summed, deferred, split)
         if memo not in self.memo:
-            exposed, gradient, gathers = edge_cost(src, dst, meta, self.mesh, self.profile, self.training, grad,
-                                                   summed, deferred, self.problem.bucket_bytes)
+            exposed, gradient, gathers, again = edge_cost(src, dst, meta, self.mesh, self.profile, self.training,
+                                                          grad, summed, deferred, self.problem.bucket_bytes)
             if split:
                 gradient += gradient_slice_time_s(split, local_bytes(meta, src, self.mesh.shape), self.mesh,
                                                   self.profile, self.problem.bucket_bytes)
-            self.memo[memo] = exposed, gradient, gathers
-        exposed, gradient, gathers = self.memo[memo]
-        user = None if consumer == OUTPUT else self.graph.node(consumer)
-        kept = kept_use_bytes(self.graph.node(producer), user, i, src, dst, meta, self.mesh, self.training, gathers,
+            self.memo[memo] = exposed, gradient, gathers, again
+        exposed, gradient, gathers, again = self.memo[memo]
+        user, made_by = None if consumer == OUTPUT else self.graph.node(consumer), self.graph.node(producer)
+        kept = kept_use_bytes(made_by, user, i, src, dst, meta, self.mesh, self.training, gathers,
                               self.problem.recomputable)
-        return (dst, grad, axes), exposed, gradient, kept
+        freed = regather_saving(made_by, src, meta, self.mesh, kept, gathers)
+        return (dst, grad, axes), exposed, gradient, kept, (again, freed) if freed else _NOTHING
 
     def gradient_table(self, producer: str, consumer: str, i: int) -> list[list[float]]:
         """The gradient seconds of a deferred use, per pair of choices of its two groups.
@@ -333,6 +356,7 @@ class _Coster:
             return
         gu = self.problem.group_of[producer]
         fanout = FanOut(gu, [], [], [])
+        regather = self.problem.regathering(self.graph.node(producer))
         index: dict[tuple, int] = {}
         for consumer, i in arms:
             gv = None if consumer == OUTPUT else self.problem.group_of[consumer]
@@ -341,7 +365,7 @@ class _Coster:
             for cu in range(self.problem.groups[gu].n):
                 row = []
                 for cv in ([cu] if gv == gu else range(nv)):
-                    key, exposed, _, kept = self.use(producer, consumer, i, cu, cv)
+                    key, exposed, _, kept, (again, freed) = self.use(producer, consumer, i, cu, cv)
                     if math.isinf(exposed):
                         self._forbid(gu, gv, cu, cv)
                     if key is None or exposed == 0:
@@ -356,6 +380,8 @@ class _Coster:
                     k = index[cu, key]
                     # one buffer, kept if any use that may share it keeps it
                     fanout.memory_bytes[k] = max(fanout.memory_bytes[k], count * kept)
+                    if freed:
+                        regather.add_item(len(self.problem.fanouts), k, count * runs * again, count * freed)
                     row.append(k)
                 items.append(row)
             fanout.arms.append(Arm(gv, items))
@@ -386,11 +412,14 @@ class _Coster:
         groups = self.problem.groups
         gu, gv = self.problem.group_of[producer], self.problem.group_of[consumer]
         nu, nv = groups[gu].n, groups[gv].n
+        regather = self.problem.regathering(self.graph.node(producer))
         if gu == gv:  # both ends are fixed by the same choice
             for c in range(nu):
-                _, exposed, _, kept = self.use(producer, consumer, i, c, c)
+                _, exposed, _, kept, (again, freed) = self.use(producer, consumer, i, c, c)
                 groups[gu].cost_s[c] += count * runs * exposed
                 groups[gu].memory_bytes[c] += count * kept
+                if freed:
+                    regather.add_group(groups[gu], c, count * runs * again, count * freed)
             return
         pairs = [[self.use(producer, consumer, i, cu, cv) for cv in range(nv)] for cu in range(nu)]
         if nu == 1 or nv == 1:  # fold into the side that has a choice
@@ -399,6 +428,9 @@ class _Coster:
                     target, c = (groups[gv], cv) if nu == 1 else (groups[gu], cu)
                     target.cost_s[c] += count * runs * pairs[cu][cv][1]
                     target.memory_bytes[c] += count * pairs[cu][cv][3]
+                    again, freed = pairs[cu][cv][4]
+                    if freed:
+                        regather.add_group(target, c, count * runs * again, count * freed)
             return
         table = self._table(gu, gv)
         for cu in range(nu):
@@ -409,3 +441,6 @@ class _Coster:
             for cu in range(nu):
                 for cv in range(nv):
                     memory[cu][cv] += count * pairs[cu][cv][3]
+                    again, freed = pairs[cu][cv][4]
+                    if freed:
+                        regather.add_pair(gu, gv, nu, nv, cu, cv, count * runs * again, count * freed)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from autotp.solve.chain import chain_times_s
 from autotp.solve.prefetch import prefetch_times_s
-from autotp.solve.problem import Problem
+from autotp.solve.problem import Problem, used_items
 from autotp.solve.recompute import recompute_effect
 
 
@@ -40,31 +40,24 @@ class StepTime:
         return self.gather_s - self.gather_exposed_s
 
 
-def arm_item(fanout, arm, choice: dict[str, int]) -> int:
-    """The item (or -1) one use of a fan-out needs under ``choice``."""
-    row = arm.items[choice[fanout.producer]]
-    return row[0] if arm.consumer is None or arm.consumer == fanout.producer else row[choice[arm.consumer]]
-
-
-def step_time(problem: Problem, choice: dict[str, int], recomputed=()) -> StepTime:
+def step_time(problem: Problem, choice: dict[str, int], recomputed=(), regathered=()) -> StepTime:
     """The step time of ``choice`` (group leader -> choice index), ``n`` layers of class ``k`` run twice for each
-    ``(k, n)`` in ``recomputed``."""
+    ``(k, n)`` in ``recomputed``, every use of each kind in ``regathered`` gathered again in backward."""
     exposed = sum(group.cost_s[choice[name]] for name, group in problem.groups.items())
-    exposed += recompute_effect(problem, choice, recomputed)[0]
+    exposed += recompute_effect(problem, choice, recomputed)[0] + regather_effect(problem, choice, regathered)[0]
     exposed += sum(table[choice[u]][choice[v]] for (u, v), table in problem.edges.items())
     for fanout in problem.fanouts:
-        used = {arm_item(fanout, arm, choice) for arm in fanout.arms} - {-1}
-        exposed += sum(fanout.cost_s[k] for k in used)
+        exposed += sum(fanout.cost_s[k] for k in used_items(fanout, choice))
     gradient, waited = chain_times_s(problem.chain, choice) if problem.chain else (0.0, 0.0)
     gather, delayed = prefetch_times_s(problem.prefetch, choice) if problem.prefetch else (0.0, 0.0)
     return StepTime(exposed, gradient, waited, gather, delayed)
 
 
-def memory_bytes(problem: Problem, choice: dict[str, int], recomputed=()) -> int:
+def memory_bytes(problem: Problem, choice: dict[str, int], recomputed=(), regathered=()) -> int:
     """Bytes per device of ``choice``, as the ILP's memory row adds them up (at most: `autotp.solve.recompute`)."""
     _, freed, transient = recompute_effect(problem, choice, recomputed)
     groups = sum(group.memory_bytes[choice[name]] for name, group in problem.groups.items())
-    return groups + kept_bytes(problem, choice) - freed + transient
+    return groups + kept_bytes(problem, choice) - freed + transient - regather_effect(problem, choice, regathered)[1]
 
 
 def kept_bytes(problem: Problem, choice: dict[str, int]) -> int:
@@ -72,6 +65,24 @@ def kept_bytes(problem: Problem, choice: dict[str, int]) -> int:
     kept = sum(table[choice[u]][choice[v]] for (u, v), table in problem.edge_memory.items())
     for fanout in problem.fanouts:
         if fanout.memory_bytes:
-            used = {arm_item(fanout, arm, choice) for arm in fanout.arms} - {-1}
-            kept += sum(fanout.memory_bytes[k] for k in used)
+            kept += sum(fanout.memory_bytes[k] for k in used_items(fanout, choice))
     return kept
+
+
+def regather_effect(problem: Problem, choice: dict[str, int], kinds) -> tuple[float, int]:
+    """``(seconds, bytes freed)`` of gathering again in backward every use of each kind in ``kinds``
+    (`autotp.solve.regather`)."""
+    seconds, freed = 0.0, 0
+    for kind in kinds:
+        r = problem.regather.get(kind)
+        if r is None:
+            continue
+        for g, (s, b) in r.groups.items():
+            seconds, freed = seconds + s[choice[g]], freed + b[choice[g]]
+        for (u, v), (s, b) in r.edges.items():
+            seconds, freed = seconds + s[choice[u]][choice[v]], freed + b[choice[u]][choice[v]]
+        for f, fanout in enumerate(problem.fanouts):
+            for k in used_items(fanout, choice):
+                s, b = r.items.get((f, k), (0.0, 0))
+                seconds, freed = seconds + s, freed + b
+    return seconds, freed
