@@ -57,7 +57,7 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
          time_limit_s: float | None = None, memory_limit=AUTO, overlap_gradients: bool = True,
          bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True, solver: str = "auto",
          replay_layers: bool = True, precision: str = AUTO, optimizer_sharding: bool = True,
-         recompute: bool | str = True, micro_batches=AUTO, regather: bool = True,
+         recompute: bool | str = True, micro_batches=AUTO, regather: bool = True, overlap_tp: bool = True,
          progress: Stages | None = None) -> Plan:
     """Choose a placement for every parameter and op of ``model`` on ``mesh``: the fastest step that fits.
 
@@ -100,6 +100,13 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
       sequence-parallel inputs; FSDP's parameters resharded after forward),
       for weights and for activations apart; it does so when memory binds,
       and ``plan.regather`` names the kinds (`autotp.solve.regather`);
+    * ``overlap_tp`` runs an all-gather into a matmul, and a reduce-scatter
+      of a matmul's product, as a collective matmul: a ring whose chunks
+      travel while the matmul works on the rows that have arrived (Megatron's
+      tensor-parallel overlap, PyTorch's async TP), forward and backward, and
+      credits each such collective what ``(n - 1)/n`` of the matmul hides
+      (`autotp.cost.collective_matmul`; ``predicted["overlap_hidden_s"]``);
+      False runs and prices them whole, before or after the matmul;
     * ``micro_batches``: the example batch is one optimizer step's; the plan
       may run it as k micro-batches of batch/k (gradients summed once, after
       the last), ``plan.micro_batches`` says k and `autotp.runtime.accumulate`
@@ -121,7 +128,7 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
                    time_limit_s=time_limit_s, memory_limit=memory_limit, overlap_gradients=overlap_gradients,
                    bucket_cap_mb=bucket_cap_mb, whole_outputs=whole_outputs, share_layers=share_layers,
                    solver=solver, precision=precision, optimizer_sharding=optimizer_sharding, recompute=recompute,
-                   regather=regather)
+                   regather=regather, overlap_tp=overlap_tp)
     best, failure = None, None
     for k in micro_batch_counts(micro_batches, training, example_inputs, example_kwargs):
         args, kwargs = micro_batch(example_inputs, example_kwargs, k)
@@ -185,7 +192,7 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
                   bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True,
                   solver: str = "auto", precision: str = AUTO, optimizer_sharding: bool = True,
                   recompute: bool | str = True, micro_batches: int = 1, beat_s: float | None = None,
-                  regather: bool = True, progress: Stages | None = None) -> Plan:
+                  regather: bool = True, overlap_tp: bool = True, progress: Stages | None = None) -> Plan:
     """Stages 2 to 5 of `plan` on a captured model: strategies, costs, the ILP, the `Plan`.
 
     ``beat_s``: raise `NoBetterPlan` as soon as the fastest plan, even without
@@ -205,7 +212,8 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
         stage.detail = f"{sum(len(s) for s in strategies.by_node.values()):,} strategies"
     with stages.stage("costing"):
         problem = build_problem(graph, strategies, mesh, profile, training, overlap_gradients, share_layers,
-                                whole_outputs, int(bucket_cap_mb * 2**20), precision, recompute, micro_batches)
+                                whole_outputs, int(bucket_cap_mb * 2**20), precision, recompute, micro_batches,
+                                overlap_tp)
         if not regather:
             problem.regather = {}
     limit = (default_memory_limit(profile, training) if memory_limit == AUTO

@@ -88,12 +88,14 @@ def cmd_plan(args) -> int:
     options = dict(training=training, profile=profile, memory_limit=_memory_limit(args.memory_limit),
                    overlap_gradients=args.overlap_gradients, bucket_cap_mb=args.bucket_cap_mb,
                    whole_outputs=args.whole_outputs, precision=args.precision,
-                   optimizer_sharding=args.optimizer_sharding, recompute=args.recompute, regather=args.regather)
+                   optimizer_sharding=args.optimizer_sharding, recompute=args.recompute, regather=args.regather,
+                   overlap_tp=args.overlap_tp)
     micro = _micro_batches(args.micro_batches)
     if saved is not None:  # a re-cost runs the program as the plan was made to run
         runtime = saved.runtime
         options.update(overlap_gradients=runtime["overlap_gradients"], whole_outputs=runtime["whole_outputs"],
-                       bucket_cap_mb=runtime["bucket_bytes"] / 2**20, precision=runtime.get("precision", "auto"))
+                       bucket_cap_mb=runtime["bucket_bytes"] / 2**20, precision=runtime.get("precision", "auto"),
+                       overlap_tp=runtime.get("overlap_tp", False))
         micro = saved.micro_batches
     result = plan(model, mesh, inputs, kwargs, pin=pins, allow=same_as(saved) if saved else None, progress=stages,
                   micro_batches=micro, **options)
@@ -335,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-regather", dest="regather", action="store_false",
                    help="keep every all-gathered input backward reads (by default the plan may keep the shard and "
                         "gather it again in backward when memory binds)")
+    p.add_argument("--no-overlap-tp", dest="overlap_tp", action="store_false",
+                   help="run every tensor-parallel all-gather and reduce-scatter whole, before or after its matmul "
+                        "(by default one feeding or following a matmul runs as a collective matmul, in chunks the "
+                        "matmul hides)")
     p.add_argument("--whole-outputs", action="store_true",
                    help="return every output replicated on every rank (default: each rank its own rows where "
                         "the plan splits the batch, as with DDP; whole otherwise)")

@@ -60,7 +60,8 @@ def report(name: str, solver: str = "auto", limit=None) -> None:
     print(f"\npredicted step: {p['total_s'] * 1e3:.1f} ms = compute {p['compute_s'] * 1e3:.1f} ms + "
           f"communication {p['comm_s'] * 1e3:.1f} ms - {p['gradient_hidden_s'] * 1e3:.1f} ms of gradient sums "
           f"hidden behind the backward pass - {p['gather_hidden_s'] * 1e3:.1f} ms of ZeRO all-gathers hidden "
-          f"behind the next forward (ILP objective {p['objective_s'] * 1e3:.1f} ms)")
+          f"behind the next forward - {p['overlap_hidden_s'] * 1e3:.1f} ms of tensor-parallel collectives "
+          f"hidden behind their matmuls (ILP objective {p['objective_s'] * 1e3:.1f} ms)")
     print(f"\nmemory levers: {plan.micro_batches} micro-batch(es) a step, {len(plan.recompute)} layers recomputed, "
           f"optimizer state split for {len(plan.optimizer_sharding)} of {len(plan.parameters)} parameters, "
           f"gathered again in backward: {', '.join(plan.regather) or 'nothing'} "

@@ -3,7 +3,8 @@
 Llama-2-70B (bf16, mixed-precision training: 18 bytes a parameter; 80
 layers, sequence 4096) on the meta device, planned with `autotp.plan`'s
 defaults (memory limit: the profile's 80 GB less 5%; optimizer state
-splitting, recomputation and micro-batches all allowed) under `h100-hgx`.
+splitting, recomputation, regathering, micro-batches and collective matmuls
+all allowed) under `h100-hgx`.
 Per case: the predicted step, the levers the plan took, memory per device by
 term, planning time, the Megatron-style baseline costed in the same model
 (`autotp.report.baselines`, ``megatron-sp`` under the same limit), the FSDP
@@ -59,7 +60,8 @@ def report(name: str, recompute=True) -> None:
     print(f"\nplanned in {plan.stats['plan_s']:.1f} s; predicted step {p['total_s'] * 1e3:.1f} ms (compute "
           f"{p['compute_s'] * 1e3:.1f} of which recompute {p['recompute_s'] * 1e3:.1f}, communication "
           f"{p['comm_s'] * 1e3:.1f}, hidden {p['hidden_s'] * 1e3:.1f}: gradient sums {p['gradient_hidden_s'] * 1e3:.1f}, "
-          f"ZeRO all-gathers {p['gather_hidden_s'] * 1e3:.1f}); MFU {mfu:.1%}")
+          f"ZeRO all-gathers {p['gather_hidden_s'] * 1e3:.1f}, tensor-parallel collectives behind their matmuls "
+          f"{p['overlap_hidden_s'] * 1e3:.1f}); MFU {mfu:.1%}")
     print(f"levers: {plan.micro_batches} micro-batches of {batch // plan.micro_batches}; "
           f"{len(plan.recompute)} of 80 layers recomputed; optimizer state split for "
           f"{len(plan.optimizer_sharding)} of {len(plan.parameters)} parameters "

@@ -118,7 +118,24 @@ class DropoutNet(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
-def dropout_net(p: float, seq: int):
-    """A `DropoutNet` (hidden 16, vocabulary 32) and a batch of 4 x ``seq`` tokens and targets, the same each call."""
+def dropout_net(p: float, seq: int, batch: int = 4):
+    """A `DropoutNet` (hidden 16, vocabulary 32) and ``batch`` x ``seq`` tokens and targets, the same each call."""
     torch.manual_seed(0)
-    return DropoutNet(p), (torch.randint(0, 32, (4, seq)), torch.randint(0, 32, (4, seq)))
+    return DropoutNet(p), (torch.randint(0, 32, (batch, seq)), torch.randint(0, 32, (batch, seq)))
+
+
+def planned_and_run(run, make_plans, mesh) -> tuple:
+    """``(plans, per-rank results)``: ``make_plans(mesh)`` made once, then ``run(rank, world, plans)`` on every rank
+    of ``mesh`` (real gloo process groups): one spawn for all of a module's plans."""
+    from autotp.runtime import spawn
+
+    plans = make_plans(mesh)
+    return plans, spawn(run, mesh.size, plans)
+
+
+def check_exact_with_dropout(e: dict, where: str, tolerance: float) -> None:
+    """One rank's run: output and every gradient within ``tolerance`` of the single device, and the dropout run
+    really drew a mask (a loss unchanged by dropout would prove nothing)."""
+    assert e["output"] <= tolerance, f"{where}: output error {e['output']:.2e}"
+    assert e["gradient"] <= tolerance, f"{where}: gradient error {e['gradient']:.2e}"
+    assert e["dropout_drew"], f"{where}: dropout did not change the loss: the check proves nothing"

@@ -17,8 +17,8 @@ from autotp.cost.reshard import cheapest_steps, edge_times_s
 from autotp.graph.opgraph import KIND_PARAM, TensorMeta
 from autotp.lower.rewrite import lower
 from autotp.placement import P, R, Shard
-from autotp.runtime import spawn
 from autotp.runtime.verify import max_errors
+from helpers import planned_and_run
 from conftest import COLLECTIVES, compute_bound_profile
 from models import MLP
 
@@ -163,9 +163,7 @@ def _run(rank, world, plans):
 
 @pytest.fixture(scope="module")
 def two_by_two():
-    mesh = autotp.Mesh((2, 2), names=("dp", "tp"), links=("ethernet", "nvlink"))
-    plans = _plans(mesh)
-    return plans, spawn(_run, mesh.size, plans)
+    return planned_and_run(_run, _plans, autotp.Mesh((2, 2), names=("dp", "tp"), links=("ethernet", "nvlink")))
 
 
 def test_plans_use_the_hierarchical_form_and_the_lowered_code_runs_it(two_by_two):

@@ -9,6 +9,11 @@ import torch
 
 import autotp
 from autotp.errors import MemoryLimitError
+from autotp.graph.opgraph import KIND_PARAM
+from autotp.interop import pins_from_styles
+from autotp.model_spec import ModelSpec, build
+from autotp.report.baselines import megatron_styles, sequence_parallel_only
+from autotp.solve.constraints import same_as
 from autotp.units import parse_bytes
 from models import MLP
 
@@ -32,6 +37,32 @@ def test_limit_forces_a_smaller_plan():
     assert bounded.predicted["objective_s"] > free.predicted["objective_s"]
     assert bounded.parameters["fc1.weight"] != ("R",)
     assert set(bounded.memory) >= {"parameters", "gradients", "optimizer", "activations", "total"}
+
+
+def test_a_limit_one_byte_under_the_fastest_plan_is_met_to_the_byte():
+    """The solver meets its memory row only to its tolerances (a binary 1e-6 off its integer is many bytes of a
+    large choice): the plan's exact bytes are checked and the row tightened until they fit, never refused.
+
+    A Llama under Megatron's split and sequence parallelism, recomputation offered: with the limit one byte
+    under the fastest plan, tightening the row by the excess alone left the same plan four times over, and
+    the plan refused with "no plan fits", though recomputing every layer fits a quarter under it."""
+    spec = ModelSpec("hf:llama", {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
+                                  "intermediate_size": 688, "vocab_size": 1024}, batch=8, seq=128)
+    model, args, kwargs = build(spec, meta=True)
+    mesh = autotp.Mesh("2x2")
+    options = dict(pin=pins_from_styles(model, megatron_styles(model), mesh.ndim), micro_batches=1,
+                   optimizer_sharding=False, regather=False, allow=sequence_parallel_only(256, 1))
+    free = autotp.plan(model, mesh, args, kwargs, memory_limit=None, **options)
+    layouts = same_as(free)  # its ops' layouts kept, the parameters' state whole: recomputation is what is left
+
+    def allow(op, strategy) -> bool:
+        return not strategy.optimizer_axes if op.kind == KIND_PARAM else layouts(op, strategy)
+
+    allow.strict = True
+    limit = free.memory["total"] - 1
+    bounded = autotp.plan(model, mesh, args, kwargs, memory_limit=limit, **(options | dict(allow=allow)))
+    assert bounded.memory["total"] <= limit and bounded.recompute
+    assert bounded.predicted["total_s"] >= free.predicted["total_s"]
 
 
 def test_impossible_limit_names_the_least_memory_and_its_largest_term():

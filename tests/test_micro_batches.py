@@ -26,9 +26,9 @@ import autotp
 from autotp.errors import PlanError
 from autotp.lower.collectives import CommCounter
 from autotp.report.baselines import batch_split_only
-from autotp.runtime import accumulate, shard_optimizer, spawn
+from autotp.runtime import accumulate, shard_optimizer
 from conftest import compute_bound_profile
-from helpers import recomputed_stretches, split_optimizer_where_whole, worst_gradient_error
+from helpers import planned_and_run, recomputed_stretches, split_optimizer_where_whole, worst_gradient_error
 from models import GPT
 
 TOLERANCE = 1e-5
@@ -107,9 +107,7 @@ def _run(rank, world, plans):
 
 @pytest.fixture(scope="module")
 def results():
-    mesh = autotp.Mesh("2x2")
-    plans = _plans(mesh)
-    return plans, spawn(_run, mesh.size, plans)
+    return planned_and_run(_run, _plans, autotp.Mesh("2x2"))
 
 
 def test_a_step_of_micro_batches_matches_the_whole_batch_on_one_device(results):

@@ -4,7 +4,9 @@ Hugging Face's own plan (q/k/v/gate/up colwise, o/down rowwise, the embedding
 split over the vocabulary, lm_head colwise) is imported as pinned placements
 (`autotp.interop.hf_tp_plan_pins`) and costed by the same model; autotp's plan must be predicted no slower. With few tokens per step
 (weights dominate) the plan is Megatron's, two all-reduces per layer in
-forward; with long sequences autotp keeps the residual stream split between
+forward, or with collective matmuls (the default) its sequence-parallel form,
+a reduce-scatter after each row-parallel projection and an all-gather before
+each column-parallel one, which the projections hide; with long sequences autotp keeps the residual stream split between
 the blocks (no large all-reduce at all), which costs at most the bytes of the
 two all-reduces and less compute: it may even run a block data-parallel over
 the sequence, its weights' gradient sums hidden behind the backward pass.
@@ -64,13 +66,18 @@ def test_layer_collectives(plans):
     else:  # the LM head runs data-parallel over the sequence, and so does the loss: the sum and the count
         assert [(c["kind"], c["bytes"]) for c in loss] == [("all_reduce", 8)]
     if tokens == 128:
-        # Megatron: q/k/v/gate/up column, o/down row, one all-reduce after each row-parallel projection
+        # Megatron: q/k/v/gate/up column, o/down row, one all-reduce after each row-parallel projection, or
+        # (sequence parallelism, the collectives run inside the projections) a reduce-scatter after each and an
+        # all-gather before each column-parallel block, and one more before the LM head
         for i in range(LAYERS):
             for name in ("q_proj", "k_proj", "v_proj"):
                 assert auto.parameters[f"model.layers.{i}.self_attn.{name}.weight"] == ("S(0)",)
             assert auto.parameters[f"model.layers.{i}.self_attn.o_proj.weight"] == ("S(1)",)
             assert auto.parameters[f"model.layers.{i}.mlp.down_proj.weight"] == ("S(1)",)
-        assert Counter(c["kind"] for c in in_layers) == Counter({"all_reduce": 2 * LAYERS})
+        kinds = Counter(c["kind"] for c in in_layers)
+        sequence_parallel = Counter({"reduce_scatter": 2 * LAYERS, "all_gather": 2 * LAYERS + 1})
+        assert kinds in (Counter({"all_reduce": 2 * LAYERS}), sequence_parallel), kinds
+        assert (kinds == sequence_parallel) == (auto.predicted["overlap_hidden_s"] > 0)
     else:
         # the residual stream stays split: per layer the large collectives move the bytes of two all-reduces
         hidden_bytes = tokens * 4096 * 4

@@ -58,7 +58,7 @@ def _meta_gpt_overlap():
 
 
 def _memory(problem, solution) -> int:
-    return memory_bytes(problem, solution.choice, solution.recompute)
+    return memory_bytes(problem, solution.choice, solution.recompute, solution.regather)
 
 
 def _smallest(problem, solver) -> float:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+from autotp.cost.collective_matmul import lone_collective
 from autotp.cost.comm import DEFAULT_BUCKET_BYTES, bucketed_step_time_s, step_time_s
 from autotp.redistribute import Unsupported, gathers, is_gradient_sum, step_options
 
@@ -73,14 +74,17 @@ def edge_times_s(src, dst, meta, mesh, profile, training: bool, requires_grad: b
 
 
 def edge_cost(src, dst, meta, mesh, profile, training: bool, requires_grad: bool, grad_axes=(),
-              deferred: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[float, float, bool, float]:
-    """`edge_times_s`; whether the redistribution all-gathers (the tensor its use gets is a new buffer); and
-    then the seconds of its forward steps, which backward runs again to gather it anew (`autotp.solve.regather`)."""
+              deferred: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple:
+    """`edge_times_s`; whether the redistribution all-gathers (the tensor its use gets is a new buffer); the
+    seconds of its forward steps, which backward runs again to gather it anew (`autotp.solve.regather`); and
+    ``(step, forward seconds)`` when it is a single collective (`autotp.cost.collective_matmul`), else None."""
     grad = training and requires_grad
     try:
         steps = cheapest_steps(src, dst, meta, mesh, profile, grad, grad_axes, deferred, bucket_bytes)
     except Unsupported:
-        return math.inf, 0.0, False, 0.0
+        return math.inf, 0.0, False, 0.0, None
     gathered = gathers(steps, mesh.shape)
-    again = sum(step_seconds(steps, mesh, profile, False)[0]) if gathered else 0.0
-    return (*steps_times_s(steps, mesh, profile, grad, deferred, bucket_bytes), gathered, again)
+    forward, backward, bucketed = step_seconds(steps, mesh, profile, grad, deferred, bucket_bytes)
+    lone = None if bucketed else lone_collective(steps, forward, backward, mesh.shape)
+    return (*steps_times_s(steps, mesh, profile, grad, deferred, bucket_bytes), gathered,
+            sum(forward) if gathered else 0.0, lone)

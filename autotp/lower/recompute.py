@@ -9,7 +9,9 @@ returns is kept (the cost model counts a sum's result on its use:
 `autotp.cost.memory.kept_use_bytes`), except where the plan regathers it:
 an all-gather whose output only the layer reads then joins the stretch, so
 the checkpoint keeps its input, and recomputing the stretch gathers again
-(`autotp.lower.regather`). A stretch is a maximal
+(`autotp.lower.regather`); so does a collective matmul
+(`autotp.lower.collective_matmul`), which recomputation runs again, ring
+and all. A stretch is a maximal
 run of consecutive ATen ops of the layer: a module call (a collective, an
 op's own implementation such as a vocabulary-parallel loss, which may hold
 collectives) or any node the lowering added ends it:
@@ -30,6 +32,7 @@ from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
 from autotp.graph.signature import layer_path
+from autotp.lower.collective_matmul import FUSED
 from autotp.lower.regather import regathering_nodes
 
 
@@ -53,7 +56,7 @@ def recompute_layers(gm: fx.GraphModule, graph, layers) -> int:
     inside = _regathering_inside(gm, layer)
     stretches, run, owner = [], [], None
     for node in gm.graph.nodes:  # a module call (a collective, or an op's own implementation) ends a stretch
-        mine = layer.get(node.name) if node.op == "call_function" else inside.get(node)
+        mine = _owner(node, layer, inside)
         if mine is not None and mine in wanted and (not run or mine == owner):
             run.append(node)
             owner = mine
@@ -72,12 +75,20 @@ def recompute_layers(gm: fx.GraphModule, graph, layers) -> int:
     return len(stretches)
 
 
+def _owner(node: fx.Node, layer: dict, inside: dict) -> str | None:
+    """The layer whose stretch ``node`` may join: an ATen op's, a collective matmul's (its matmul's), or a
+    regathering collective's that only one layer reads (`_regathering_inside`)."""
+    if FUSED in node.meta:
+        return layer.get(node.meta[FUSED])
+    return layer.get(node.name) if node.op == "call_function" else inside.get(node)
+
+
 def _regathering_inside(gm: fx.GraphModule, layer: dict) -> dict[fx.Node, str]:
     """Regathering collectives (`autotp.lower.regather`) whose every user is in one layer: that layer's, so the
     checkpoint keeps their input, the shard, and its recomputation gathers again."""
     inside: dict[fx.Node, str] = {}
     for node in reversed(regathering_nodes(gm)):  # a later step first: the one before it may feed only it
-        owners = {layer.get(u.name) if u.op == "call_function" else inside.get(u) for u in node.users}
+        owners = {_owner(u, layer, inside) for u in node.users}
         if len(owners) == 1 and None not in owners:
             inside[node] = owners.pop()
     return inside

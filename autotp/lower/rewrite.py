@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from autotp.errors import PlanError
 from autotp.graph.opgraph import KIND_PARAM, TensorMeta, build_opgraph, meta_of, tensor_input_nodes
 from autotp.lower.batching import batch_collectives
+from autotp.lower.collective_matmul import fuse_collective_matmuls
 from autotp.lower.collectives import AxisComm, Collective, CollectiveChain
 from autotp.lower.entry import InputEntry
 from autotp.lower.impls import build_impl
@@ -38,7 +39,7 @@ from autotp.lower.pending import wait_at_first_use
 from autotp.lower.recompute import recompute_layers
 from autotp.lower.regather import install_regather_hooks
 from autotp.lower.reducer import GRADIENT_SLICE, GradientReducer
-from autotp.placement import R, Shard, local_shape, parse_layout, shard_factor, shard_index
+from autotp.placement import Partial, R, Shard, local_shape, parse_layout, shard_factor, shard_index
 from autotp.redistribute import ALL_GATHER, SLICE, Unsupported, gathers, is_gradient_sum, replay_steps, step_units
 from autotp.solve.problem import OUTPUT, deferred_parameters, split_gradient_axes, use_target, uses_of
 from autotp.solve.regather import regather_kind
@@ -334,6 +335,9 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, graph=None, batch
                     node.args)
     gm.graph.lint()
     gm.recompile()
+    if plan.runtime.get("overlap_tp", False):
+        fuse_collective_matmuls(gm, {name for name, entry in plan.nodes.items()
+                                     if any(isinstance(p, Partial) for p in entry.out_layout())})
     batch_collectives(gm, batch, overlap)
     recompute_layers(gm, graph, plan.recompute if plan.training else ())
     if plan.training and plan.regather:

@@ -78,11 +78,11 @@ def exposed_comm_s(plan) -> float:
 
 def time_line(plan) -> str:
     p = plan.predicted
-    gathers = p.get("gather_hidden_s", 0.0)
-    sums = p["comm_s"] - exposed_comm_s(plan) - gathers
-    parts = ([f"{format_seconds(sums)} of gradient sums hidden behind the backward pass"] if sums > 1e-12 else []) + (
-        [f"{format_seconds(gathers)} of ZeRO all-gathers hidden behind the next forward pass"] if gathers > 1e-12
-        else [])
+    gathers, matmuls = p.get("gather_hidden_s", 0.0), p.get("overlap_hidden_s", 0.0)
+    sums = p["comm_s"] - exposed_comm_s(plan) - gathers - matmuls
+    parts = [f"{format_seconds(s)} of {what} hidden behind {where}" for s, what, where in (
+        (sums, "gradient sums", "the backward pass"), (gathers, "ZeRO all-gathers", "the next forward pass"),
+        (matmuls, "tensor-parallel collectives", "their matmuls")) if s > 1e-12]
     hidden = f", of which {' and '.join(parts)}" if parts else ""
     return (f"predicted step time: {format_seconds(p['total_s'])} (compute {format_seconds(p['compute_s'])}, "
             f"communication {format_seconds(p['comm_s'])}{hidden})")
@@ -145,10 +145,11 @@ def comparison_lines(plan, baselines) -> list[str]:
 
 
 def step_terms(plan) -> dict[str, float]:
-    """A plan's step time by where it goes: compute, collectives on the critical path, overlapped ones not hidden."""
+    """A plan's step time by where it goes: compute, collectives on the critical path (less what their matmuls hide),
+    overlapped ones not hidden."""
     p = plan.predicted
     gradient, gather = p.get("gradient_s", 0.0), p.get("gather_s", 0.0)
-    return {"compute": p["compute_s"], "collectives": p["comm_s"] - gradient - gather,
+    return {"compute": p["compute_s"], "collectives": p["comm_s"] - gradient - gather - p.get("overlap_hidden_s", 0.0),
             "gradient sums not hidden": gradient - p.get("gradient_hidden_s", 0.0),
             "ZeRO all-gathers not hidden": gather - p.get("gather_hidden_s", 0.0)}
 

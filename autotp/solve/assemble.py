@@ -23,7 +23,7 @@ from autotp.solve.plan import NodePlan, Plan
 from autotp.solve.problem import (OUTPUT, deferred_parameters, output_layout, split_gradient_axes, use_target,
                                   uses_of)
 from autotp.solve.recompute import recompute_effect, recomputed_layers
-from autotp.solve.step import regather_effect, step_time
+from autotp.solve.step import matmul_hidden_s, regather_effect, step_time
 
 
 def chosen_strategies(problem, solution) -> dict:
@@ -188,6 +188,7 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
     step, k = step_time(problem, solution.choice, solution.recompute, solution.regather), problem.micro_batches
     again_s = recompute_effect(problem, solution.choice, solution.recompute)[0]
     regather_s = regather_effect(problem, solution.choice, solution.regather)[0]
+    overlap_s = matmul_hidden_s(problem, solution.choice)
     nodes = {op.name: NodePlan(op.op_name, layout_str(chosen[op.name].out),
                                tuple(layout_str(layout) for layout in chosen[op.name].ins), chosen[op.name].impl)
              for op in graph.nodes()}
@@ -205,7 +206,8 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
                    "regather_s": regather_s,
                    "gradient_s": step.gradient_s, "gradient_hidden_s": step.gradient_hidden_s,
                    "gather_s": step.gather_s, "gather_hidden_s": step.gather_hidden_s,
-                   "hidden_s": step.gradient_hidden_s + step.gather_hidden_s,
+                   "overlap_hidden_s": overlap_s,
+                   "hidden_s": step.gradient_hidden_s + step.gather_hidden_s + overlap_s,
                    "total_s": step.total_s, "objective_s": solution.objective_s},
         memory=plan_memory(graph, problem, solution, chosen, mesh, training, whole_outputs),
         inputs=inputs,
@@ -213,7 +215,8 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
              "variables": solution.variables, "constraints": solution.constraints, "ops": len(graph),
              **problem.sharing.summary()},
         runtime={"overlap_gradients": problem.overlap_gradients, "bucket_bytes": problem.bucket_bytes,
-                 "whole_outputs": whole_outputs, "precision": problem.precision},
+                 "whole_outputs": whole_outputs, "precision": problem.precision,
+                 "overlap_tp": problem.overlap_tp},
         optimizer_sharding=optimizer,
         gradient_sharding=gradients,
         recompute=recomputed_layers(problem, solution.recompute),

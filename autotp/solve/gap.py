@@ -105,12 +105,15 @@ def lp_relaxation_bound(lp: pulp.LpProblem, time_limit_s: float | None = None) -
     Solving overwrites the variables' values: read the integer incumbent first.
     Only an optimal LP value is a bound (a simplex stopped early is not), so
     anything else returns None. The LP gets its own limit, at least
-    `LP_MIN_LIMIT_S`: a limit too small for CBC to read the file would leave
-    every gap unknown.
+    `LP_MIN_LIMIT_S`: a limit too small for the solver to read the problem
+    would leave every gap unknown. HiGHS solves it when installed, else CBC
+    (`autotp.solve.backends.lp_command`).
     """
     if time_limit_s is not None:
         time_limit_s = max(time_limit_s, LP_MIN_LIMIT_S)
-    lp.solve(pulp.PULP_CBC_CMD(msg=False, mip=False, timeLimit=time_limit_s, threads=1))
+    from autotp.solve.backends import lp_command  # backends imports this module
+
+    lp.solve(lp_command(time_limit_s))
     if lp.sol_status != pulp.LpSolutionOptimal:  # pulp calls "stopped on time with a value" Optimal too
         return None
     return pulp.value(lp.objective) or 0.0

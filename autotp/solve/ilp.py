@@ -371,22 +371,24 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
     return replace(_effective(problem, best), solve_s=spent)
 
 
-def _within(problem: Problem, limit: float, reduce: bool, time_limit_s, solver: str, tries: int = 4) -> Solution:
+def _within(problem: Problem, limit: float, reduce: bool, time_limit_s, solver: str, tries: int = 12) -> Solution:
     """The fastest plan under the memory limit, checked in exact bytes.
 
-    The solver meets each row to its feasibility tolerance (1e-6 of a MiB),
-    so a plan may exceed the limit by a few bytes; the row is then tightened
-    by the excess and solved again.
+    The solver meets each row to its tolerances (1e-6 of a MiB, and a binary
+    may sit 1e-6 off its integer, which a large choice's bytes multiply), so
+    a plan may exceed the limit by a few bytes or more; the row is then
+    tightened by the excess, doubled at each try so that the solver's slack
+    cannot keep the same plan, and solved again.
     """
     row = limit
-    for _ in range(tries):
+    for attempt in range(tries):
         solution = _run(*_model(problem, "time", row, reduce), time_limit_s, solver)
         if solution.status != "Optimal":
             return solution
         excess = memory_bytes(problem, solution.choice, solution.recompute) - limit
         if excess <= 0:
             return solution
-        row -= excess
+        row -= excess * 2 ** attempt
     return replace(solution, status="Infeasible")
 
 

@@ -16,7 +16,11 @@ One model of a training step (docs/cost-model.md), in pieces the ILP can add up:
   and the backward compute that can hide them;
 * **the prefetch chain** (`autotp.solve.prefetch`): ZeRO's all-gathers of
   parameters after the optimizer step, and the next forward pass's compute
-  that can hide them.
+  that can hide them;
+* **collective matmuls** (`autotp.cost.collective_matmul`): what a matmul
+  hides of the all-gather into it or the reduce-scatter of its product,
+  taken off the pieces above where the use is costed, and kept apart for
+  the report (`autotp.solve.tp_overlap`).
 
 Every piece is costed once per distinct op or use and counted as often as it
 occurs, so the problem of a deep stack of identical layers costs no more to
@@ -30,6 +34,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from autotp.cost.collective_matmul import hidden_s
 from autotp.cost.comm import DEFAULT_BUCKET_BYTES, gradient_slice_time_s, inner_time_s, optimizer_time_s
 from autotp.cost.compute import compute_time_s
 from autotp.cost.memory import AUTO, kept_use_bytes, node_memory_bytes, regather_saving
@@ -41,6 +46,7 @@ from autotp.solve.layers import Sharing, share_identical_layers
 from autotp.solve.prefetch import build_prefetch
 from autotp.solve.recompute import LAYERS, recompute_classes
 from autotp.solve.regather import Regather, regather_kind
+from autotp.solve.tp_overlap import Hidden
 from autotp.strategies.enumerate import OpStrategies
 
 OUTPUT = "output"  # the consumer name of a use that returns the tensor from the program
@@ -112,6 +118,8 @@ class Problem:
     recomputable: frozenset = frozenset()  # the layers (module paths) of those classes
     micro_batches: int = 1  # forward and backward run this many times a step; gradient sums and the optimizer once
     regather: dict[str, Regather] = field(default_factory=dict)  # kind -> what regathering its uses adds and frees
+    tp_overlap: Hidden = field(default_factory=Hidden)  # what collective matmuls hide, already off the costs
+    overlap_tp: bool = False  # collective matmuls credited, and run by the lowering (`autotp.cost.collective_matmul`)
 
     def strategy(self, node: str, choice: int):
         group = self.groups[self.group_of[node]]
@@ -213,7 +221,7 @@ def deferred_parameters(graph: OpGraph, uses: dict) -> set[str]:
 def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, training: bool,
                   overlap_gradients: bool = True, share_layers: bool = True, whole_outputs: bool = False,
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision: str = AUTO,
-                  recompute: bool | str = True, micro_batches: int = 1) -> Problem:
+                  recompute: bool | str = True, micro_batches: int = 1, overlap_tp: bool = True) -> Problem:
     """Cost every group choice, every use of every tensor, and (when overlapped) the gradient chain.
 
     With ``overlap_gradients`` (and ``training``) the gradient sums of
@@ -229,14 +237,17 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
     their layers. ``graph`` is one of ``micro_batches``
     micro-batches of a step: its compute and collectives run that many
     times, the bucketed gradient sums (behind the last micro-batch's backward)
-    and what follows the optimizer step once.
+    and what follows the optimizer step once. With ``overlap_tp`` an
+    all-gather into a matmul, or a reduce-scatter of its product, runs as a
+    collective matmul and is credited what the matmul hides
+    (`autotp.cost.collective_matmul`).
     """
     groups = {op.name: Group(op.name, {op.name: list(range(len(strategies.by_node[op.name])))})
               for op in graph.nodes()}
     group_of = {name: name for name in groups}
     sharing = share_identical_layers(graph, strategies, groups, group_of) if share_layers else Sharing()
     problem = Problem(groups, group_of, {}, strategies, sharing=sharing, bucket_bytes=bucket_bytes,
-                      precision=precision, micro_batches=micro_batches)
+                      precision=precision, micro_batches=micro_batches, overlap_tp=overlap_tp)
     for group in groups.values():
         group.cost_s, group.memory_bytes = [0.0] * group.n, [0] * group.n
     uses = uses_of(graph)
@@ -293,8 +304,8 @@ class _Coster:
         """Whether ``op``'s all-gather after the optimizer step goes to the prefetch chain (`build_prefetch`)."""
         return self.training and self.overlap and bool(self.graph.consumers(op.name))
 
-    def use(self, producer: str, consumer: str, i: int, cu: int, cv: int) -> tuple:
-        """``(target key, exposed, gradient, kept, regather)`` of one use for one pair of choices.
+    def use(self, producer: str, consumer: str, i: int, cu: int, cv: int, sole: bool = False) -> tuple:
+        """``(target key, exposed, gradient, kept, regather, hidden)`` of one use for one pair of choices.
 
         The key is what the lowering shares a redistribution by (`use_target`).
         ``None`` with infinite time: the pair cannot be (the pieces of a split
@@ -302,7 +313,9 @@ class _Coster:
         alive until backward (`kept_use_bytes`: a sum's result, an all-gathered
         input the consumer's backward reads). ``regather``: the seconds and the
         bytes freed if that gathered input is gathered again in backward instead
-        (`autotp.solve.regather`), ``(0.0, 0)`` where nothing is kept.
+        (`autotp.solve.regather`), ``(0.0, 0)`` where nothing is kept. ``hidden``: the
+        part of ``exposed`` a collective matmul hides (`autotp.cost.collective_matmul`; ``sole``: the
+        producer's output has no other use), still in ``exposed``.
         """
         made = self.problem.strategy(producer, cu)
         src = made.out
@@ -310,26 +323,30 @@ class _Coster:
         meta, dst, grad, axes = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer,
                                            consumer, i, src, strategy)
         if consumer != OUTPUT and self.graph.node(producer).multi_output and src != dst:
-            return None, math.inf, 0.0, 0, _NOTHING
+            return None, math.inf, 0.0, 0, _NOTHING, 0.0
         split = made.gradient_slice_axes
         summed = split_gradient_axes(split, src, dst, grad, axes)
         if summed is None:
-            return None, math.inf, 0.0, 0, _NOTHING
+            return None, math.inf, 0.0, 0, _NOTHING, 0.0
         deferred = producer in self.deferred
         memo = (src, dst, meta, grad, summed, deferred, split)
         if memo not in self.memo:
-            exposed, gradient, gathers, again = edge_cost(src, dst, meta, self.mesh, self.profile, self.training,
-                                                          grad, summed, deferred, self.problem.bucket_bytes)
+            exposed, gradient, gathers, again, lone = edge_cost(src, dst, meta, self.mesh, self.profile,
+                                                                self.training, grad, summed, deferred,
+                                                                self.problem.bucket_bytes)
             if split:
                 gradient += gradient_slice_time_s(split, local_bytes(meta, src, self.mesh.shape), self.mesh,
                                                   self.profile, self.problem.bucket_bytes)
-            self.memo[memo] = exposed, gradient, gathers, again
-        exposed, gradient, gathers, again = self.memo[memo]
+            self.memo[memo] = exposed, gradient, gathers, again, lone
+        exposed, gradient, gathers, again, lone = self.memo[memo]
         user, made_by = None if consumer == OUTPUT else self.graph.node(consumer), self.graph.node(producer)
         kept = kept_use_bytes(made_by, user, i, src, dst, meta, self.mesh, self.training, gathers,
                               self.problem.recomputable)
         freed = regather_saving(made_by, src, meta, self.mesh, kept, gathers)
-        return (dst, grad, axes), exposed, gradient, kept, (again, freed) if freed else _NOTHING
+        hidden = (hidden_s(lone, made_by, made, user, strategy, i, sole, self.mesh, self.profile,
+                           self.training)
+                  if self.problem.overlap_tp and lone is not None else 0.0)
+        return (dst, grad, axes), exposed, gradient, kept, (again, freed) if freed else _NOTHING, hidden
 
     def gradient_table(self, producer: str, consumer: str, i: int) -> list[list[float]]:
         """The gradient seconds of a deferred use, per pair of choices of its two groups.
@@ -358,6 +375,7 @@ class _Coster:
         fanout = FanOut(gu, [], [], [])
         regather = self.problem.regathering(self.graph.node(producer))
         index: dict[tuple, int] = {}
+        least: dict[int, float] = {}  # per item, the least a collective matmul of any of its uses hides
         for consumer, i in arms:
             gv = None if consumer == OUTPUT else self.problem.group_of[consumer]
             nv = 1 if gv is None or gv == gu else self.problem.groups[gv].n
@@ -365,7 +383,7 @@ class _Coster:
             for cu in range(self.problem.groups[gu].n):
                 row = []
                 for cv in ([cu] if gv == gu else range(nv)):
-                    key, exposed, _, kept, (again, freed) = self.use(producer, consumer, i, cu, cv)
+                    key, exposed, _, kept, (again, freed), hidden = self.use(producer, consumer, i, cu, cv)
                     if math.isinf(exposed):
                         self._forbid(gu, gv, cu, cv)
                     if key is None or exposed == 0:
@@ -377,7 +395,9 @@ class _Coster:
                         made = self.problem.strategy(producer, cu)
                         fanout.ident.append((made.out, made.gradient_slice_axes, key))
                         fanout.memory_bytes.append(0)
+                        least[index[cu, key]] = count * runs * hidden
                     k = index[cu, key]
+                    least[k] = min(least[k], count * runs * hidden)  # whichever use the lowering fuses with
                     # one buffer, kept if any use that may share it keeps it
                     fanout.memory_bytes[k] = max(fanout.memory_bytes[k], count * kept)
                     if freed:
@@ -388,6 +408,9 @@ class _Coster:
             if gv is not None and gv != gu and self.problem.groups[gu].n > 1 and nv > 1:
                 self._table(gu, gv)  # the pair variables that link the item to both choices
         if fanout.cost_s:
+            for k, hidden in least.items():
+                fanout.cost_s[k] -= hidden
+                self.problem.tp_overlap.set_item(len(self.problem.fanouts), k, hidden)
             self.problem.fanouts.append(fanout)
 
     def _table(self, gu: str, gv: str) -> list[list[float]]:
@@ -413,21 +436,25 @@ class _Coster:
         gu, gv = self.problem.group_of[producer], self.problem.group_of[consumer]
         nu, nv = groups[gu].n, groups[gv].n
         regather = self.problem.regathering(self.graph.node(producer))
+        hidden = self.problem.tp_overlap
         if gu == gv:  # both ends are fixed by the same choice
             for c in range(nu):
-                _, exposed, _, kept, (again, freed) = self.use(producer, consumer, i, c, c)
-                groups[gu].cost_s[c] += count * runs * exposed
+                _, exposed, _, kept, (again, freed), overlap = self.use(producer, consumer, i, c, c, sole=True)
+                groups[gu].cost_s[c] += count * runs * (exposed - overlap)
                 groups[gu].memory_bytes[c] += count * kept
+                hidden.add_group(groups[gu], c, count * runs * overlap)
                 if freed:
                     regather.add_group(groups[gu], c, count * runs * again, count * freed)
             return
-        pairs = [[self.use(producer, consumer, i, cu, cv) for cv in range(nv)] for cu in range(nu)]
+        pairs = [[self.use(producer, consumer, i, cu, cv, sole=True) for cv in range(nv)] for cu in range(nu)]
         if nu == 1 or nv == 1:  # fold into the side that has a choice
             for cu in range(nu):
                 for cv in range(nv):
                     target, c = (groups[gv], cv) if nu == 1 else (groups[gu], cu)
-                    target.cost_s[c] += count * runs * pairs[cu][cv][1]
+                    overlap = pairs[cu][cv][5]
+                    target.cost_s[c] += count * runs * (pairs[cu][cv][1] - overlap)
                     target.memory_bytes[c] += count * pairs[cu][cv][3]
+                    hidden.add_group(target, c, count * runs * overlap)
                     again, freed = pairs[cu][cv][4]
                     if freed:
                         regather.add_group(target, c, count * runs * again, count * freed)
@@ -435,7 +462,8 @@ class _Coster:
         table = self._table(gu, gv)
         for cu in range(nu):
             for cv in range(nv):
-                table[cu][cv] += count * runs * pairs[cu][cv][1]
+                table[cu][cv] += count * runs * (pairs[cu][cv][1] - pairs[cu][cv][5])
+                hidden.add_pair(gu, gv, nu, nv, cu, cv, count * runs * pairs[cu][cv][5])
         if any(use[3] for row in pairs for use in row):
             memory = self.problem.edge_memory.setdefault((gu, gv), [[0] * nv for _ in range(nu)])
             for cu in range(nu):

@@ -1,0 +1,104 @@
+"""Collective matmuls: a tensor-parallel all-gather or reduce-scatter cut into chunks that a matmul's rows hide.
+
+Sequence parallelism puts an all-gather before a column-parallel matmul and a
+reduce-scatter after a row-parallel one, both on the critical path. Yet the
+rows of a matmul along the gathered (or scattered) dim are independent, so
+with ``n`` devices on the axis the collective can run as a ring of ``n - 1``
+steps while the matmul works on what has arrived (Wang et al., ASPLOS 2023;
+Megatron-LM's tensor-parallel communication overlap, PyTorch's async TP):
+
+* **gather, then multiply**: each device multiplies the rows it holds while
+  the ring brings the next chunk, and then those;
+* **multiply, then scatter**: each device computes its partial product for
+  one chunk of rows, adds it to the running sum it received, and passes it on,
+  computing the next chunk while the sum travels.
+
+Backward runs the duals the same way: the gradient's all-gather (of a
+scattered product) as a ring whose arriving chunks the matmul's backward
+works on, and the gradient's reduce-scatter (of a gathered input) as a ring
+that adds each chunk's input gradient on its way. Only one chunk's share of
+the matmul runs alone, so each collective is exposed only by what
+``(n - 1) / n`` of its matmul's pass cannot hide:
+
+    hidden = min(forward collective, (n - 1) / n * matmul forward)
+           + min(backward collective, (n - 1) / n * matmul backward)
+
+`autotp.lower.collective_matmul` runs these forms wherever they are credited
+(and fuses a few uses it is not credited for, never the reverse). A gather run again
+in backward (`autotp.solve.regather`) stays on the critical path.
+
+A use qualifies when its redistribution is one collective on one mesh axis of
+more than one device, and:
+
+* an all-gather feeding the first input of a matmul (``linear``, ``mm``,
+  ``matmul`` by a 2-D weight) along a dim of its rows, the consumer's
+  output not itself a partial sum (whose matmul hides the reduce-scatter after
+  it instead: each matmul hides one collective);
+* a reduce-scatter of a matmul's partial product along a dim of its rows,
+  the product's only use.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autotp.cost.compute import backward_time_s, forward_time_s
+from autotp.placement import Partial
+from autotp.redistribute import ALL_GATHER, REDUCE_SCATTER
+
+aten = torch.ops.aten
+
+MATMULS = (aten.linear.default, aten.mm.default, aten.matmul.default)
+
+
+def splits_rows(target, x_ndim: int, other_ndim: int, dim: int) -> bool:
+    """Whether rows of a matmul's first input taken along ``dim`` make the rows of its output along the same dim on
+    their own (the second input a whole 2-D weight): then the matmul can run chunk by chunk of that dim.
+
+        linear(x[b, s, k], w[n, k]), dim 1 -> True     mm(a[m, k], b[k, n]), dim 1 -> False (the contracted dim)
+    """
+    if target in MATMULS and other_ndim == 2:
+        return 0 <= dim < x_ndim - 1
+    return False
+
+
+def lone_collective(steps, forward_s, backward_s, mesh_shape) -> tuple | None:
+    """``(step, its forward seconds, its backward seconds)`` when a redistribution is one collective on one axis of
+    more than one device, else None."""
+    live = [(s, f, b) for s, f, b in zip(steps, forward_s, backward_s) if math.prod(mesh_shape[a] for a in s.span) > 1]
+    if len(live) != 1 or len(live[0][0].span) > 1:
+        return None
+    return live[0]
+
+
+def _rows_of(op, dim: int) -> bool:
+    metas = op.in_metas
+    return (op.target in MATMULS and len(metas) >= 2
+            and splits_rows(op.target, len(metas[0].shape), len(metas[1].shape), dim))
+
+
+def hidden_s(lone, producer, made, consumer, strategy, i: int, sole_use: bool, mesh, profile,
+             training: bool) -> float:
+    """The seconds of a use's collectives, forward and backward, that a collective matmul hides (0 where none
+    qualifies).
+
+    ``lone`` is `lone_collective` of the use's steps; ``producer``/``made`` and
+    ``consumer``/``strategy`` are the two ops and their strategies (``consumer``
+    ``None`` for a program output); ``sole_use``: the producer's output has no
+    other use.
+    """
+    if lone is None:
+        return 0.0
+    step, forward, backward = lone
+    if (step.forward_kind == ALL_GATHER and consumer is not None and i == 0 and _rows_of(consumer, step.dim)
+            and not any(isinstance(p, Partial) for p in strategy.out)):
+        matmul, chosen = consumer, strategy
+    elif step.kind == REDUCE_SCATTER and sole_use and _rows_of(producer, step.dim):
+        matmul, chosen = producer, made
+    else:
+        return 0.0
+    share = (mesh.shape[step.axis] - 1) / mesh.shape[step.axis]
+    return (min(forward, share * forward_time_s(matmul, chosen, mesh, profile))
+            + min(backward, share * backward_time_s(matmul, chosen, mesh, profile, training)))
