@@ -27,6 +27,7 @@ import torch
 import autotp
 from autotp.cost.collective_matmul import splits_rows
 from autotp.lower.collective_matmul import GatherMatmul, MatmulScatter
+from autotp.lower.recompute import Recomputed
 from autotp.model_spec import ModelSpec, build
 from autotp.report.baselines import baseline_plans, sequence_parallel_only
 from autotp.runtime import spawn
@@ -113,6 +114,8 @@ def _run(rank, world, plans):
         out[name] = {"output": scaled_error(got, want), "gradient": worst_gradient_error(local, reference, plan, rank),
                      "gather_matmuls": sum(isinstance(m, GatherMatmul) for m in local.modules()),
                      "matmul_scatters": sum(isinstance(m, MatmulScatter) for m in local.modules()),
+                     "recomputed_rings": sum(isinstance(m, (GatherMatmul, MatmulScatter)) for r in local.modules()
+                                             if isinstance(r, Recomputed) for m in r.modules()),
                      "dropout_drew": abs(float(loss.detach()) - float(got.detach())) > 1e-3}
     # the ring programs against each other: a reduce-scatter's output is a strided view where a ring's is
     # contiguous, and dropout lays its mask out in memory order, so only programs with rings alike draw alike
@@ -143,6 +146,8 @@ def test_rings_replace_the_activations_collectives_and_stay_exact(results):
                 assert rings == (0, 0), where
             else:  # gathered into each block's up and into the head; each block's down product scattered
                 assert rings == (3, 2), f"{where}: {rings}"
+            # in a recomputed block the rings join its checkpointed stretches, and run again in backward
+            assert (e["recomputed_rings"] == 4) == name.endswith("recomputed"), f"{where}: {e['recomputed_rings']}"
 
 
 def _llama():

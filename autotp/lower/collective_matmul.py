@@ -138,16 +138,16 @@ class _GatherMatmulFn(torch.autograd.Function):
         module = ctx.module
         gather, target = module.gather, module.target
         comm, dim, n = gather.comm, gather.dim, gather.comm.size
-        weight_grad = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
-
-        def rows(index):  # this chunk's input gradient, and its share of the weight's
-            g = _chunk(grad, dim, n, index)
-            if weight_grad is not None:
-                weight_grad.add_(_weight_grad(target, _chunk(full, dim, n, index), g))
-            own = _input_grad(target, g, w)
-            return own if grad_full is None else own + _chunk(grad_full, dim, n, index)
-
         if gather.kind == ALL_GATHER_RS:  # the gradient arrives partial: sum it over the axis as a ring
+            weight_grad = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+
+            def rows(index):  # this chunk's input gradient, and its share of the weight's
+                g = _chunk(grad, dim, n, index)
+                if weight_grad is not None:
+                    weight_grad.add_(_weight_grad(target, _chunk(full, dim, n, index), g))
+                own = _input_grad(target, g, w)
+                return own if grad_full is None else own + _chunk(grad_full, dim, n, index)
+
             count(comm, "reduce_scatter", full.numel() * full.element_size())
             return ring_reduce_scatter(comm, rows), weight_grad, None
         # it arrives whole: nothing to hide, this device's rows of the input's gradient and one weight gradient
