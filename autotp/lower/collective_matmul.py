@@ -104,6 +104,16 @@ def _weight_grad(target, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return g.t() if target == aten.linear.default else g
 
 
+def _weight_grad_buffer(w: torch.Tensor) -> torch.Tensor:
+    """Where the chunks' shares of the weight's gradient add up: in fp32 for a 16-bit weight, as one matmul
+    would accumulate them."""
+    return torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32))
+
+
+def _as_weight(grad: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor | None:
+    return None if grad is None else grad.to(w.dtype)
+
+
 def _chunk(x: torch.Tensor, dim: int, n: int, index: int) -> torch.Tensor:
     return x.narrow(dim, index * (x.shape[dim] // n), x.shape[dim] // n)
 
@@ -139,7 +149,7 @@ class _GatherMatmulFn(torch.autograd.Function):
         gather, target = module.gather, module.target
         comm, dim, n = gather.comm, gather.dim, gather.comm.size
         if gather.kind == ALL_GATHER_RS:  # the gradient arrives partial: sum it over the axis as a ring
-            weight_grad = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+            weight_grad = _weight_grad_buffer(w) if ctx.needs_input_grad[1] else None
 
             def rows(index):  # this chunk's input gradient, and its share of the weight's
                 g = _chunk(grad, dim, n, index)
@@ -149,7 +159,7 @@ class _GatherMatmulFn(torch.autograd.Function):
                 return own if grad_full is None else own + _chunk(grad_full, dim, n, index)
 
             count(comm, "reduce_scatter", full.numel() * full.element_size())
-            return ring_reduce_scatter(comm, rows), weight_grad, None
+            return ring_reduce_scatter(comm, rows), _as_weight(weight_grad, w), None
         # it arrives whole: nothing to hide, this device's rows of the input's gradient and one weight gradient
         own = _chunk(grad, dim, n, comm.index)
         x_grad = _input_grad(target, own, w) if ctx.needs_input_grad[0] else None
@@ -192,7 +202,7 @@ class _MatmulScatterFn(torch.autograd.Function):
         comm, dim, n, target = module.scatter.comm, module.scatter.dim, module.scatter.comm.size, module.target
         count(comm, "all_gather", grad.numel() * grad.element_size() * n)
         x_grad = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        weight_grad = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+        weight_grad = _weight_grad_buffer(w) if ctx.needs_input_grad[1] else None
 
         def land(index, g):  # the matmul's backward on one chunk of rows
             if x_grad is not None:
@@ -201,7 +211,7 @@ class _MatmulScatterFn(torch.autograd.Function):
                 weight_grad.add_(_weight_grad(target, _chunk(x, dim, n, index), g))
 
         ring_gather(comm, grad, land)
-        return x_grad, weight_grad, None
+        return x_grad, _as_weight(weight_grad, w), None
 
 
 class MatmulScatter(nn.Module):
