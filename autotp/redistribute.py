@@ -217,6 +217,11 @@ def step_options(src, dst, meta, mesh_shape, grad_axes=()) -> list[list[Step]]:
     return options
 
 
+def live_steps(steps, mesh_shape) -> list[Step]:
+    """The steps that move data: those over more than one device (a step on an axis of size 1 is a no-op)."""
+    return [s for s in steps if math.prod(mesh_shape[a] for a in s.span) > 1]
+
+
 def is_gradient_sum(steps, mesh_shape) -> bool:
     """Whether ``steps`` only sum a gradient (f steps, in any form): nothing forward, one reduction backward.
 
@@ -224,7 +229,7 @@ def is_gradient_sum(steps, mesh_shape) -> bool:
     the one DDP buckets and overlaps with the backward pass; the cost model
     (`autotp.cost.reshard`) and the lowering (`autotp.lower.reducer`) both ask this.
     """
-    real = [s for s in steps if math.prod(mesh_shape[a] for a in s.span) > 1]
+    real = live_steps(steps, mesh_shape)
     return bool(real) and all(s.kind in GRAD_KINDS for s in real)
 
 

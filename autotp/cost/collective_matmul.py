@@ -40,13 +40,11 @@ more than one device, and:
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from autotp.cost.compute import backward_time_s, forward_time_s
 from autotp.placement import Partial
-from autotp.redistribute import ALL_GATHER, REDUCE_SCATTER
+from autotp.redistribute import ALL_GATHER, REDUCE_SCATTER, live_steps
 
 aten = torch.ops.aten
 
@@ -67,10 +65,11 @@ def splits_rows(target, x_ndim: int, other_ndim: int, dim: int) -> bool:
 def lone_collective(steps, forward_s, backward_s, mesh_shape) -> tuple | None:
     """``(step, its forward seconds, its backward seconds)`` when a redistribution is one collective on one axis of
     more than one device, else None."""
-    live = [(s, f, b) for s, f, b in zip(steps, forward_s, backward_s) if math.prod(mesh_shape[a] for a in s.span) > 1]
-    if len(live) != 1 or len(live[0][0].span) > 1:
+    live = live_steps(steps, mesh_shape)
+    if len(live) != 1 or len(live[0].span) > 1:
         return None
-    return live[0]
+    k = steps.index(live[0])
+    return live[0], forward_s[k], backward_s[k]
 
 
 def _rows_of(op, dim: int) -> bool:

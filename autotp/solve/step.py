@@ -89,8 +89,9 @@ def regather_effect(problem: Problem, choice: dict[str, int], kinds) -> tuple[fl
 
 
 def matmul_hidden_s(problem: Problem, choice: dict[str, int]) -> float:
-    """The collective seconds (forward and backward) that collective matmuls hide under ``choice``, already off its step time
-    (`autotp.solve.tp_overlap`): reported, so that compute plus collectives less all that is hidden adds up."""
+    """The collective seconds (forward and backward) that collective matmuls hide under ``choice``, already off
+    its step time (`autotp.solve.tp_overlap`): reported, so that compute plus collectives less all that is hidden
+    adds up."""
     hidden = problem.tp_overlap
     seconds = sum(values[choice[g]] for g, values in hidden.groups.items())
     seconds += sum(table[choice[u]][choice[v]] for (u, v), table in hidden.edges.items())
