@@ -139,8 +139,10 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
         except MemoryLimitError as exc:
             failure = exc  # fewer tokens per micro-batch may fit: try the next k
             continue
-        except NoBetterPlan:
-            break  # even unlimited, k micro-batches are slower than the best plan: more would be slower still
+        except NoBetterPlan as exc:
+            if exc.unlimited:
+                break  # even unlimited, k micro-batches are slower than the best plan: more would be slower still
+            continue  # under the limit k is no faster; more micro-batches free more memory: try them
         if best is None or result.predicted["total_s"] < best.predicted["total_s"]:
             best = result
         if not result.stats["memory_bound"]:
@@ -195,8 +197,8 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
                   regather: bool = True, overlap_tp: bool = True, progress: Stages | None = None) -> Plan:
     """Stages 2 to 5 of `plan` on a captured model: strategies, costs, the ILP, the `Plan`.
 
-    ``beat_s``: raise `NoBetterPlan` as soon as the fastest plan, even without
-    the memory limit, is no faster (the micro-batch search of `plan`).
+    ``beat_s``: raise `NoBetterPlan` as soon as the fastest plan, without the
+    memory limit or under it, is no faster (the micro-batch search of `plan`).
     """
     started, stages = time.perf_counter(), stages_or_silent(progress)
     mesh, profile, graph = as_mesh(mesh), load_profile(profile), captured.graph

@@ -213,7 +213,9 @@ def test_each_plan_really_uses_its_levers(results):
         assert all(plan.parameters[fqn][0] != "R" for fqn in MATRICES), name
         assert _gathered_on_dp(plan) == {fqn.replace(".", "_") for fqn in MATRICES}, name  # each at its use
     combined = plans["all"]
-    assert set(combined.gradient_sharding) == every - set(MATRICES)  # whole on dp: split there instead
+    # ZeRO-2 only where the weight is whole on dp (the matrices are split there instead), and where the ILP finds a
+    # reduce-scatter after each of the 4 micro-batches worth it over one all-reduce after the last
+    assert combined.gradient_sharding and set(combined.gradient_sharding) <= every - set(MATRICES)
     assert combined.optimizer_sharding["tok.weight"] == ["tp"]
     assert combined.recompute == LAYERS and combined.micro_batches == 4
     assert combined.inputs["args"][0]["shape"] == [BATCH // 4, 8]

@@ -4,14 +4,16 @@
   binding limit the step is one batch; under a limit that only smaller
   micro-batches meet, the plan runs k > 1 micro-batches, records k and the
   micro-batch's inputs, pays its compute and collectives k times and the
-  gradient sums once, and its objective is still its step time. A k that
+  gradient sums once (ZeRO-2's after every micro-batch), and its objective is still its step time. A k that
   does not divide the batch is a clear error.
 * On 2x2 gloo, `autotp.runtime.accumulate` runs a step's batch of 16 as the
   plan's micro-batches: under a data-parallel plan of 4 micro-batches (the
   reducer sums once, after the last), and under the ILP's plan with every
   lever at once (2 micro-batches, both blocks recomputed, optimizer state
   and gradients split: ZeRO-2): every gradient matches the single device's on the whole batch,
-  and three AdamW steps give its losses, to 1e-5.
+  and three AdamW steps give its losses, to 1e-5. ZeRO-2's gradients are
+  reduce-scattered after every micro-batch and only their slices accumulate
+  (no whole gradient outlives a backward pass); the others are summed once.
 """
 
 from __future__ import annotations
@@ -84,8 +86,10 @@ def _run(rank, world, plans):
         got = accumulate(local, plan, *inputs)
         gradient = worst_gradient_error(local, reference, plan, rank)
         reducer = local.autotp_reducer
-        # each bucket's steps, and a ZeRO-2 bucket's all-gather of its slices back (no split optimizer takes them yet)
-        sums = sum(len(b.unit) + (b.slices > 1) for b in reducer.buckets) if reducer is not None else 0
+        buckets = reducer.buckets if reducer is not None else []
+        sums = sum(len(b.unit) for b in buckets if b.slices == 1)  # summed once a step
+        # ZeRO-2's, every micro-batch: its steps and the all-gather of its slices back (no split optimizer yet)
+        sliced_sums = sum(len(b.unit) + 1 for b in buckets if b.slices > 1)
         calls = counter.count
         optimizers = [torch.optim.AdamW(reference.parameters(), lr=1e-2), shard_optimizer(local, torch.optim.AdamW,
                                                                                           lr=1e-2)]
@@ -99,7 +103,18 @@ def _run(rank, world, plans):
             want = reference(*batch)
             want.backward()
             losses.append((float(want), float(accumulate(local, plan, *batch))))
-        out[name] = {"gradient": gradient, "losses": losses, "calls": calls, "sums": sums,
+        # with the split optimizer attached, a micro-batch's backward leaves ZeRO-2 gradients only as slices
+        optimizers[1].zero_grad()  # drops the last step's slices
+        for p in local.parameters():
+            p.grad = None
+        with reducer.no_sync():
+            micro = [t[:BATCH // plan.micro_batches] for t in inputs]
+            local(*micro).backward()
+        sliced = [p for b in buckets if b.slices > 1 for p in (e.param for e in b.entries)]
+        whole_left = sum(p.grad is not None for p in sliced)
+        slices_held = sum(getattr(p, "autotp_gradient_slice", None) is not None for p in sliced)
+        out[name] = {"gradient": gradient, "losses": losses, "calls": calls, "sums": sums, "sliced_sums": sliced_sums,
+                     "sliced": len(sliced), "whole_left": whole_left, "slices_held": slices_held,
                      "split": len(local.autotp_optimizer_shards),
                      "recomputed": recomputed_stretches(local)}
     return out
@@ -121,9 +136,13 @@ def test_a_step_of_micro_batches_matches_the_whole_batch_on_one_device(results):
             assert e["gradient"] <= TOLERANCE, f"{where}: gradient error {e['gradient']:.2e}"
             for step, (want, got) in enumerate(e["losses"]):
                 assert abs(want - got) <= TOLERANCE * max(1.0, abs(want)), f"{where}: step {step}: {got} != {want}"
-        # the data-parallel plan's gradient sums ran once in the step, after the last of its 4 micro-batches:
-        # every other collective of the program ran once per micro-batch
-        e, k = by_plan["data_parallel"], dp.micro_batches
-        in_graph = sum(1 for c in dp.collectives if not c.get("bucketed") and c["phase"] != "step")
-        assert e["sums"] > 0 and e["calls"] == k * in_graph + e["sums"], (e, in_graph)
+        # every collective of the program ran once per micro-batch, the gradient sums in buckets once, after the
+        # last micro-batch, except ZeRO-2's, after each
+        for name, plan in plans.items():
+            e, k = by_plan[name], plan.micro_batches
+            in_graph = sum(1 for c in plan.collectives if not c.get("bucketed") and c["phase"] != "step")
+            assert e["sums"] + e["sliced_sums"] > 0, name
+            assert e["calls"] == k * in_graph + e["sums"] + k * e["sliced_sums"], (name, e, in_graph)
+            assert e["whole_left"] == 0 and e["slices_held"] == e["sliced"], name
         assert by_plan["combined"]["split"] > 0 and by_plan["combined"]["recomputed"] >= 2
+        assert by_plan["combined"]["sliced"] > 0

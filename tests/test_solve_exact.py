@@ -5,7 +5,8 @@ choices with infinite costs, edge tables with impossible pairs, fan-outs whose
 items are paid once however many uses need them (uses inside one group, uses
 with no consumer, uses from single-choice groups), memory kept on edges and
 fan-out items (gathered inputs kept for backward), a gradient chain with
-repeated blocks (`autotp.solve.chain`), a prefetch chain of ZeRO's
+repeated blocks (`autotp.solve.chain`) and, at times, the early chain that
+micro-batches before the last run for ZeRO-2's sliced gradients, a prefetch chain of ZeRO's
 all-gathers (`autotp.solve.prefetch`), and layer classes that may be
 recomputed (`autotp.solve.recompute`: forward seconds again, bytes freed,
 one layer's transient), and kinds of gathered inputs that may be gathered
@@ -16,6 +17,8 @@ or not, is enumerated and priced by `autotp.solve.step`:
 
 * the ILP's optimum, with and without the reduction, is the best plan's time,
   free and under a binding memory limit, and the least memory when minimised;
+  asked to beat the limited optimum (a plan found elsewhere), it says no
+  plan under the limit does, though one without it would;
 * the best plan the reduction leaves (of each problem with a set of kinds
   regathered, as the solver tries them) is the best plan of all, and so is
   the best one agreeing with a protected partial plan (the warm start).
@@ -31,7 +34,7 @@ import pytest
 
 from autotp.errors import SolverError
 from autotp.solve.chain import Block, Chain, Stage, chain_times_s
-from autotp.solve.ilp import _BYTES, MemoryInfeasible, solve
+from autotp.solve.ilp import _BYTES, MemoryInfeasible, NoBetterPlan, solve
 from autotp.solve.prefetch import prefetch_times_s
 from autotp.solve.problem import Arm, FanOut, Group, Problem
 from autotp.solve.recompute import Recompute
@@ -67,6 +70,8 @@ def _random_problem(rng: random.Random) -> Problem:
         problem.fanouts.append(_random_fanout(rng, problem))
     if rng.random() < 0.7:
         problem.chain = _random_chain(rng, problem)
+        if rng.random() < 0.4:  # micro-batches before the last sum the sliced gradients: a chain paid that often
+            problem.chain.early, problem.chain.earlier = _random_chain(rng, problem), rng.choice([1, 3])
     if rng.random() < 0.5:
         problem.prefetch = _random_chain(rng, problem, pairs=False, after=False)
     if rng.random() < 0.5:
@@ -210,6 +215,13 @@ def test_the_ilp_and_the_reduction_keep_the_best_plan_of_every_random_problem(se
         assert solve(problem, reduce=reduce).objective_s == pytest.approx(_best(every), abs=1e-9), (seed, reduce)
         assert solve(problem, memory_limit_bytes=limit, reduce=reduce).objective_s == pytest.approx(
             _best(every, limit), abs=1e-9), (seed, reduce)
+        free, limited = _best(every), _best(every, limit)
+        if limited > free + 1e-6:  # a plan found elsewhere as fast as the limited optimum: this one is not needed
+            with pytest.raises(NoBetterPlan) as beaten:
+                solve(problem, memory_limit_bytes=limit, reduce=reduce, beat_s=limited)
+            assert not beaten.value.unlimited  # without the limit it would be faster: more room may still win
+            assert solve(problem, memory_limit_bytes=limit, reduce=reduce, beat_s=limited + 1e-3).objective_s == \
+                pytest.approx(limited, abs=1e-9)
         with pytest.raises(MemoryInfeasible) as caught:
             solve(problem, memory_limit_bytes=memories[0] - _BYTES / 2, reduce=reduce)
         assert caught.value.smallest.objective_s * _BYTES == pytest.approx(memories[0])
@@ -259,3 +271,15 @@ def test_ties_keep_one_choice():
     problem = Problem({"a": group, "b": other}, {"a": "a", "b": "b"}, {("a", "b"): [[1.0, 2.0]] * 3}, None)
     reduction = reduce_problem(problem, time=True, memory=True)
     assert reduction.choices == {"a": [0], "b": [0]}
+
+
+def test_micro_batches_before_the_last_each_wait_for_their_sliced_gradients():
+    """k - 1 early passes each run the sliced gradients' chain: its seconds and its wait count k - 1 times."""
+    last = Chain([Block([Stage(0, {"g": [4.0]}, {}, {"g": [1.0]})])], {"g": [1.0]})  # 4 s of sums, 2 s of compute
+    last.early = Chain([Block([Stage(0, {"g": [2.5]}, {}, {"g": [1.0]})])], {"g": [1.0]})  # sliced: 2.5 s
+    last.earlier = 3
+    group = Group("g", {"g": [0]}, [0.0], [1])
+    problem = Problem({"g": group}, {"g": "g"}, {}, None, chain=last)
+    # the last pass waits 4 - 1 = 3 s; each of the 3 before it 2.5 - 1 = 1.5 s
+    assert chain_times_s(last, {"g": 0}) == (4.0 + 3 * 2.5, 3.0 + 3 * 1.5)
+    assert solve(problem).objective_s == pytest.approx(7.5)

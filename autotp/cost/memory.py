@@ -27,9 +27,10 @@ own dtype (``fp32`` for fp32). With the optimizer state split over
 mesh axes (ZeRO-1, ``Strategy.optimizer_axes``) each device keeps its slice
 of it, rounded up to a whole element. With the gradient reduce-scattered
 into that slice as well (ZeRO-2, ``Strategy.gradient_split``) so is the
-gradient, when one micro-batch makes the step: with several, each
-micro-batch's partial gradient accumulates whole until the last one's sum
-(`autotp.lower.reducer`).
+gradient: with several micro-batches a step, such a gradient is
+reduce-scattered after each one's backward and its slices accumulate
+(`autotp.lower.reducer`, as DeepSpeed's ZeRO-2), while the others
+accumulate whole until the last one's sum.
 """
 
 from __future__ import annotations
@@ -62,8 +63,7 @@ def state_bytes(itemsize: int, precision: str = AUTO) -> tuple[int, int, int]:
     return (itemsize, itemsize, 2 * itemsize) if itemsize >= 4 else PRECISIONS["mixed"]
 
 
-def node_memory_bytes(op, strategy, mesh, training: bool, precision: str = AUTO,
-                      micro_batches: int = 1) -> dict[str, int]:
+def node_memory_bytes(op, strategy, mesh, training: bool, precision: str = AUTO) -> dict[str, int]:
     """Bytes one node keeps on each device under ``strategy``, by term (only the terms it has)."""
     layout = strategy.out
     if op.kind == KIND_PARAM:
@@ -73,8 +73,8 @@ def node_memory_bytes(op, strategy, mesh, training: bool, precision: str = AUTO,
         numel = local // op.out[0].dtype.itemsize
         weight, gradient, optimizer = state_bytes(op.out[0].dtype.itemsize, precision)
         split = math.prod(mesh.shape[a] for a in strategy.optimizer_axes)
-        whole_gradient = not strategy.gradient_split or micro_batches > 1
-        return {"parameters": weight * numel, "gradients": gradient * (numel if whole_gradient else -(-numel // split)),
+        return {"parameters": weight * numel,
+                "gradients": gradient * (-(-numel // split) if strategy.gradient_split else numel),
                 "optimizer": optimizer * -(-numel // split)}
     if op.kind == KIND_BUFFER:
         return {"buffers": local_bytes(op.out[0], layout, mesh.shape)}
@@ -149,12 +149,11 @@ def _partial(layout, shape) -> bool:
     return any(isinstance(p, Partial) and n > 1 for p, n in zip(layout, shape))
 
 
-def memory_by_term(graph, chosen: dict, mesh, training: bool, precision: str = AUTO,
-                   micro_batches: int = 1) -> dict[str, int]:
+def memory_by_term(graph, chosen: dict, mesh, training: bool, precision: str = AUTO) -> dict[str, int]:
     """Bytes per device for ``chosen`` (node name -> Strategy), split into named terms."""
     terms = dict.fromkeys(TERMS, 0)
     for op in graph.nodes():
-        for term, nbytes in node_memory_bytes(op, chosen[op.name], mesh, training, precision, micro_batches).items():
+        for term, nbytes in node_memory_bytes(op, chosen[op.name], mesh, training, precision).items():
             terms[term] += nbytes
     terms["total"] = sum(terms.values())
     return terms

@@ -30,11 +30,15 @@ one) when a later bucket fills, after waiting for the step before; the rest
 at the end of the backward pass, bucket by bucket.
 
 Micro-batches (`autotp.runtime.accumulate`): inside ``no_sync()`` a backward
-pass sums nothing; each parameter's partial gradient accumulates in
-``.grad`` as autograd leaves it (as DDP's ``no_sync``). The first backward
-pass after it copies the accumulated partial gradient into the bucket with
-the new one, so the sum over ranks is taken once, of every micro-batch's.
-Gradients must be zero (``None``) when the first ``no_sync`` pass starts.
+pass sums nothing but the ZeRO-2 gradients (below); each other parameter's
+partial gradient accumulates in ``.grad`` as autograd leaves it (as DDP's
+``no_sync``). The first backward pass after it copies the accumulated
+partial gradient into the bucket with the new one, so the sum over ranks is
+taken once, of every micro-batch's. Gradients must be zero (``None``) when
+the first ``no_sync`` pass starts. A ZeRO-2 gradient is summed in every
+pass instead, so its whole gradient never outlives one backward pass: its
+slices accumulate (DeepSpeed's ZeRO-2), at the price of one reduce-scatter
+per micro-batch, which the cost model charges (`autotp.solve.chain`).
 
 Gradients reach ``.grad`` when ``backward()`` returns: use ``.backward()``.
 ``torch.autograd.grad`` on the parameters of a rank module would see the
@@ -69,6 +73,11 @@ import torch.distributed as dist
 from autotp.lower.collectives import count
 
 GRADIENT_SLICE = "gradient_slice"  # ZeRO-2's reduce-scatter of a summed gradient into the optimizer's slices
+
+
+def _sliced(entry) -> bool:
+    """Whether ``entry``'s sum ends in ZeRO-2's reduce-scatter: summed in every pass, ``no_sync`` or not."""
+    return bool(entry.unit) and entry.unit[-1][0] == GRADIENT_SLICE
 _ASYNC = {
     "all_reduce": lambda out, x, group: dist.all_reduce(x, group=group, async_op=True),
     "reduce_scatter": lambda out, x, group: dist.reduce_scatter_single(out, x, group=group, async_op=True),
@@ -267,7 +276,7 @@ class GradientReducer:
 
     def _arrive(self, i: int):
         def hook(grad: torch.Tensor):
-            if not self.syncing:
+            if not self.syncing and not _sliced(self.entries[i]):
                 return self._hold(i, grad)
             if self.ready(i, grad):
                 return torch.zeros_like(grad)  # the sum is added into the existing .grad when backward ends
@@ -317,7 +326,7 @@ class GradientReducer:
         self._task = None
         for bucket in self.buckets:
             bucket.finish(self.keep_slices)
-        if self._unsynced:  # a parameter with gradients from no_sync passes got none in this one: never summed
+        if self._unsynced and self.syncing:  # gradients from no_sync passes, none in this one: never summed
             names = len(self._unsynced)
             self._unsynced.clear()
             raise RuntimeError(f"{names} parameter(s) got gradients in no_sync passes but none in the backward pass "

@@ -5,7 +5,9 @@ at the micro-batch shape: the rank program takes batch/k rows. `accumulate`
 cuts the step's batch into k pieces along dim 0 (every tensor input whose
 dim 0 is the batch, `autotp.capture.micro`), runs forward and backward on
 each, and lets the gradient reducer sum over ranks only after the last
-(`GradientReducer.no_sync`), as DDP's ``no_sync`` does. Each micro-batch's
+(`GradientReducer.no_sync`), as DDP's ``no_sync`` does, except ZeRO-2's
+gradients, reduce-scattered after each so only their slices accumulate
+(DeepSpeed's ZeRO-2). Each micro-batch's
 loss is scaled by 1/k, so the gradients are those of the mean of the k
 losses: the step's mean loss whenever every micro-batch's loss is a mean
 over as many elements (no ignored targets or padding that differ between

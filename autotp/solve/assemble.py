@@ -112,8 +112,9 @@ def all_collectives(graph, chosen, mesh, profile, training, whole_outputs=False,
         consumer, i = uses[0]
         node, index = ("output", 0) if consumer == OUTPUT else (consumer, i)
         src = chosen[producer].out
-        out += edge_collectives(mesh, profile, training, node, producer, index, src, dst, meta, grad, summed,
-                                producer in deferred, bucket_bytes)
+        records = edge_collectives(mesh, profile, training, node, producer, index, src, dst, meta, grad, summed,
+                                   producer in deferred, bucket_bytes)
+        out += [{**r, "each_micro_batch": True} if split and r.get("bucketed") else r for r in records]
         if split:
             out.append(gradient_slice_collective(mesh, profile, node, producer, index, src, meta, split,
                                                  bucket_bytes))
@@ -139,7 +140,7 @@ def gradient_slice_collective(mesh, profile, node, producer, index, layout, meta
     return {"node": node, "input": index, "producer": producer, "phase": "backward", "kind": "reduce_scatter",
             "axis": "+".join(mesh.names[a] for a in split), "bytes": int(nbytes),
             "time_s": _round(gradient_slice_time_s(split, nbytes, mesh, profile, bucket_bytes)), "bucketed": True,
-            "slice": True}
+            "slice": True, "each_micro_batch": True}
 
 
 def io_layouts(graph, chosen, mesh, whole_outputs: bool) -> dict:
@@ -164,14 +165,16 @@ def io_layouts(graph, chosen, mesh, whole_outputs: bool) -> dict:
 
 def calls_per_step(record: dict, micro_batches: int) -> int:
     """How often a collective runs in a step: once per micro-batch, but gradient sums in buckets and ZeRO-1's
-    all-gathers after the optimizer step run once."""
-    return 1 if record["phase"] == "step" or record.get("bucketed") else micro_batches
+    all-gathers after the optimizer step run once, except the sums of gradients ZeRO-2 slices (``each_micro_batch``:
+    reduce-scattered after every micro-batch, `autotp.lower.reducer`)."""
+    once = record["phase"] == "step" or (record.get("bucketed") and not record.get("each_micro_batch"))
+    return 1 if once else micro_batches
 
 
 def plan_memory(graph, problem, solution, chosen, mesh, training, whole_outputs: bool = False) -> dict[str, int]:
     """Memory per device by term; recomputed layers keep fewer activations, and rebuild one layer's at a time;
     all-gathered inputs kept for backward count as activations, less what regathering them frees."""
-    terms = memory_by_term(graph, chosen, mesh, training, problem.precision, problem.micro_batches)
+    terms = memory_by_term(graph, chosen, mesh, training, problem.precision)
     _, freed, transient = recompute_effect(problem, solution.choice, solution.recompute)
     freed += regather_effect(problem, solution.choice, solution.regather)[1]
     extra = kept_gathered_bytes(graph, chosen, mesh, training, whole_outputs, problem.recomputable) + transient - freed

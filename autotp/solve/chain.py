@@ -23,6 +23,16 @@ C)``, where ``D`` is one block's gradient seconds less its compute and
 ``max(l + r - b, r)`` and such maps compose to the same form. So the chain
 of an 80-layer model costs the ILP what 3 layers cost.
 
+With ``k`` micro-batches a step, the gradients that ZeRO-2 reduce-scatters
+into optimizer slices (``Strategy.gradient_split``) are summed after every
+micro-batch's backward, not once (`autotp.lower.reducer`: the whole
+gradient never outlives its bucket, as in DeepSpeed's ZeRO-2); the others
+accumulate whole and are summed once, after the last. So the ``k - 1``
+earlier backward passes each run a chain of their own, the *early* chain:
+the same stages and compute, with only the sliced gradients' seconds, and
+each waits for its queue at its end as the last one does. The step pays
+``k - 1`` times its wait, and its gradient seconds ``k - 1`` times over.
+
 The model's simplifications, all documented in docs/cost-model.md: a
 gradient starts as soon as it is ready (a bucket waits for its last member;
 the bucket's latency is shared out by bytes instead, `bucketed_step_time_s`);
@@ -63,6 +73,8 @@ class Chain:
 
     blocks: list[Block]
     after: dict[str, list[float]] = field(default_factory=dict)
+    early: "Chain | None" = None  # the sliced gradients' chain, run by each of the ``earlier`` micro-batches
+    earlier: int = 0  # micro-batches before the last: k - 1
 
 
 def add_terms(terms: dict, key, values) -> None:
@@ -75,26 +87,29 @@ def add_terms(terms: dict, key, values) -> None:
         terms[key] = values
 
 
-def build_chain(graph, problem, deferred: set[str], gradient_table, mesh, profile, training: bool) -> Chain:
+def build_chain(graph, problem, deferred: set[str], gradient_table, mesh, profile, training: bool,
+                micro_batches: int = 1) -> Chain:
     """The stages of the ``deferred`` parameters' gradient sums, and the backward compute between them.
 
     ``gradient_table(param, consumer, i)`` gives a deferred use's gradient
-    seconds per pair of choices (`autotp.solve.problem`).
+    seconds per pair of choices (`autotp.solve.problem`). With several
+    ``micro_batches`` the chain carries the early one, where some choice
+    slices a gradient.
     """
     position = {name: i for i, name in enumerate(graph.order)}
     stages: dict[int, Stage] = {}
+    sliced: dict[int, Stage] = {}  # the same stages, with only the seconds of choices that slice the gradient
     for param in sorted(deferred, key=position.get):
         (consumer, i), = [(op, i) for op, _ in graph.consumers(param)
                           for i, producer in enumerate(graph.node(op).inputs) if producer == param]
         stage = stages.setdefault(position[consumer], Stage(position[consumer]))
         gu, gv = problem.group_of[param], problem.group_of[consumer]
         table = gradient_table(param, consumer, i)
-        if problem.groups[gu].n == 1:
-            add_terms(stage.reduce_nodes, gv, [t for t in table[0]])
-        elif problem.groups[gv].n == 1:
-            add_terms(stage.reduce_nodes, gu, [row[0] for row in table])
-        else:
-            add_terms(stage.reduce_pairs, (gu, gv), table)
+        _add_use(stage, problem, gu, gv, table)
+        slices = [problem.strategy(param, c).gradient_split for c in range(problem.groups[gu].n)]
+        if micro_batches > 1 and any(slices):
+            early = sliced.setdefault(position[consumer], Stage(position[consumer]))
+            _add_use(early, problem, gu, gv, [row if cut else [0.0] * len(row) for row, cut in zip(table, slices)])
     order = sorted(stages.values(), key=lambda s: -s.position)
     after: dict[str, list[float]] = {}
     starts = [-s.position for s in order]  # ascending, for bisect
@@ -111,7 +126,22 @@ def build_chain(graph, problem, deferred: set[str], gradient_table, mesh, profil
             continue  # runs before any gradient is ready: hides nothing
         target = after if s == len(order) else order[s].before
         add_terms(target, group.leader, list(memo[twin]))
-    return Chain(fold_blocks(graph, order), after)
+    chain = Chain(fold_blocks(graph, order), after)
+    if sliced:
+        early = [Stage(s.position, sliced[s.position].reduce_nodes if s.position in sliced else {},
+                       sliced[s.position].reduce_pairs if s.position in sliced else {}, s.before) for s in order]
+        chain.early, chain.earlier = Chain(fold_blocks(graph, early), after), micro_batches - 1
+    return chain
+
+
+def _add_use(stage: Stage, problem, gu: str, gv: str, table) -> None:
+    """A deferred use's gradient seconds (per pair of parameter and consumer choices) into ``stage``."""
+    if problem.groups[gu].n == 1:
+        add_terms(stage.reduce_nodes, gv, [t for t in table[0]])
+    elif problem.groups[gv].n == 1:
+        add_terms(stage.reduce_nodes, gu, [row[0] for row in table])
+    else:
+        add_terms(stage.reduce_pairs, (gu, gv), table)
 
 
 def _terms(stage: Stage) -> tuple:
@@ -150,7 +180,8 @@ def chain_times_s(chain: Chain, choice: dict[str, int]) -> tuple[float, float]:
     """``(gradient seconds in all, seconds the step waits for them)`` for one choice of every group.
 
     Every block is run stage by stage, as often as it repeats: the closed
-    form the ILP uses for repeats is checked against this in the suite.
+    form the ILP uses for repeats is checked against this in the suite. The
+    early chain counts ``earlier`` times.
     """
     total = lag = 0.0
     for block in chain.blocks:
@@ -159,4 +190,8 @@ def chain_times_s(chain: Chain, choice: dict[str, int]) -> tuple[float, float]:
                 reduce = stage_value(stage.reduce_nodes, stage.reduce_pairs, choice)
                 total += reduce
                 lag = reduce + max(0.0, lag - stage_value(stage.before, {}, choice))
-    return total, max(0.0, lag - stage_value(chain.after, {}, choice))
+    waited = max(0.0, lag - stage_value(chain.after, {}, choice))
+    if chain.early is not None:
+        early_total, early_waited = chain_times_s(chain.early, choice)
+        total, waited = total + chain.earlier * early_total, waited + chain.earlier * early_waited
+    return total, waited

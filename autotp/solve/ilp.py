@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from itertools import product
 
 import pulp
 
@@ -204,7 +205,7 @@ def _linear(x: dict, y: dict, nodes: dict, pairs: dict) -> list:
     return out
 
 
-def _chain_wait(lp, chain, x: dict, y: dict):
+def _chain_wait(lp, chain, x: dict, y: dict, tag: str = ""):
     """The seconds the step waits for the gradient queue (`autotp.solve.chain`), as LP variables.
 
     Per stage ``lag >= reduce`` and ``lag >= reduce + previous lag - before``;
@@ -212,27 +213,30 @@ def _chain_wait(lp, chain, x: dict, y: dict):
     ``lag + n*D``, ``C + (n-1)*D`` and ``C`` (``C``: the lag one block builds
     from nothing, ``D``: its gradient seconds less its compute); then ``wait
     >= lag - after``, ``wait >= 0``. Minimising ``wait`` makes each bound the
-    max the recurrence takes.
+    max the recurrence takes. The early chain of micro-batches before the
+    last is the same construction, its wait paid ``earlier`` times.
     """
     lag = 0
     for k, block in enumerate(chain.blocks):
         if block.repeat == 1:
             for s, stage in enumerate(block.stages):
-                lag = _stage_lag(lp, lag, stage, x, y, f"{k}_{s}")
+                lag = _stage_lag(lp, lag, stage, x, y, f"{tag}{k}_{s}")
             continue
         fresh = 0
         for s, stage in enumerate(block.stages):
-            fresh = _stage_lag(lp, fresh, stage, x, y, f"{k}_{s}")
+            fresh = _stage_lag(lp, fresh, stage, x, y, f"{tag}{k}_{s}")
         delta = pulp.lpSum([t for stage in block.stages for t in _linear(x, y, stage.reduce_nodes, stage.reduce_pairs)]
                            + [-t for stage in block.stages for t in _linear(x, y, stage.before, {})])
-        out, n = pulp.LpVariable(f"lag_{k}_x{block.repeat}", lowBound=0), block.repeat
-        lp += out >= lag + n * delta, f"lag_{k}_carried"
-        lp += out >= fresh + (n - 1) * delta, f"lag_{k}_built"
-        lp += out >= fresh, f"lag_{k}_fresh"
+        out, n = pulp.LpVariable(f"lag_{tag}{k}_x{block.repeat}", lowBound=0), block.repeat
+        lp += out >= lag + n * delta, f"lag_{tag}{k}_carried"
+        lp += out >= fresh + (n - 1) * delta, f"lag_{tag}{k}_built"
+        lp += out >= fresh, f"lag_{tag}{k}_fresh"
         lag = out
-    wait = pulp.LpVariable("gradient_wait", lowBound=0)
-    lp += wait >= lag - pulp.lpSum(_linear(x, y, chain.after, {})), "gradient_wait"
-    return wait
+    wait = pulp.LpVariable(f"gradient_{tag}wait", lowBound=0)
+    lp += wait >= lag - pulp.lpSum(_linear(x, y, chain.after, {})), f"gradient_{tag}wait"
+    if chain.early is None:
+        return wait
+    return wait + chain.earlier * _chain_wait(lp, chain.early, x, y, tag=f"{tag}early_")
 
 
 def _prefetch_wait(lp, chain, x: dict, y: dict):
@@ -293,7 +297,12 @@ _BOUND_MARGIN = 1e-6  # a relaxation's optimum within the LP solver's tolerance 
 
 
 class NoBetterPlan(Exception):
-    """Even without the memory limit this problem's fastest plan is no faster than ``beat_s``."""
+    """This problem's fastest plan under the memory limit is no faster than ``beat_s``; ``unlimited``: not even
+    without the limit (then neither is any problem that only adds work, such as more micro-batches)."""
+
+    def __init__(self, message: str, unlimited: bool = True):
+        super().__init__(message)
+        self.unlimited = unlimited
 
 
 def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_bytes: float | None = None,
@@ -323,7 +332,9 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     if memory_limit_bytes is None or (free.status == "Optimal"
                                       and memory_bytes(problem, free.choice, free.recompute) <= memory_limit_bytes):
         return _finish(free, time_limit_s)
-    solution = _limited(problem, memory_limit_bytes, reduce, time_limit_s, solver)
+    solution = _limited(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s)
+    if solution.status == "Beaten":
+        raise NoBetterPlan(f"under the memory limit no faster than {beat_s:.6g} s", unlimited=False)
     if solution.status == "Infeasible":
         # no limit: the error quotes this exact minimum, every kind regathered (which only frees memory)
         everything = kind_sets(problem)[0]
@@ -346,33 +357,87 @@ def _effective(problem: Problem, solution: Solution) -> Solution:
     return replace(solution, regather=kinds)
 
 
-def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver: str) -> Solution:
+def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver: str,
+             beat_s: float | None = None) -> Solution:
     """The fastest plan under the memory limit, over every set of regathered kinds (`autotp.solve.regather`).
 
-    Each set is its own problem, solved the largest set first (the most room);
-    a later one is skipped when its LP relaxation under the limit is no faster
-    than the best plan so far.
+    Each set is its own problem, and each is cut further into *branches*,
+    one per value of its layer classes' recompute binaries (when there are
+    at most `_MOST_BRANCHES` of them; `_branches`). A branch's LP relaxation
+    bounds its plans from below, and is tight where the whole problem's is
+    not: with a recompute binary fractional, the relaxation buys half a
+    recomputation's memory for half its time. So the branches are solved in
+    order of their bounds (ties: the larger set first, the most room), and
+    the rest skipped once a bound is no faster than the best plan so far, or
+    than ``beat_s`` (a plan found another way; when every branch is skipped
+    so, the status is ``"Beaten"``). Bounds and order are skipped under a time
+    limit, which solves each set whole. Exact: the branches partition the
+    plans, and a bound never exceeds its branch's optimum.
     """
-    best, spent, last = None, 0.0, None
+    branches = []  # (bound, order, kinds, variant, fixed)
     for kinds in kind_sets(problem):
         variant = folded(problem, kinds)
-        if best is not None and time_limit_s is None:
-            bound = lp_relaxation_bound(_model(variant, "time", limit, reduce)[0])
-            if bound is not None and bound >= best.objective_s * (1 + _BOUND_MARGIN):
-                continue
-        last = _within(variant, limit, reduce, time_limit_s, solver)
+        if time_limit_s is not None:
+            branches.append((0.0, len(branches), kinds, variant, {}))
+            continue
+        lp, x = _model(variant, "time", limit, reduce)
+        for fixed in _branches(x):
+            bound = _fixed_bound(lp, x, fixed)
+            branches.append((math.inf if bound is None else bound, len(branches), kinds, variant, fixed))
+    branches.sort(key=lambda b: b[:2])
+    best, spent, last, beaten = None, 0.0, None, False
+    cutoff = beat_s * _SCALE if beat_s is not None else None
+    for bound, _, kinds, variant, fixed in branches:
+        target = best.objective_s if best is not None else cutoff
+        if target is not None and bound >= target * (1 + _BOUND_MARGIN):
+            beaten = True
+            continue
+        last = _within(variant, limit, reduce, time_limit_s, solver, fixed=fixed)
         spent += last.solve_s
-        if last.status == "Optimal" and (best is None or last.objective_s < best.objective_s):
+        if last.status == "Optimal" and cutoff is not None and last.objective_s >= cutoff * (1 - _BOUND_MARGIN):
+            beaten = True
+        elif last.status == "Optimal" and (best is None or last.objective_s < best.objective_s):
             best = replace(last, regather=kinds)
         elif last.status not in ("Optimal", "Infeasible"):
             return last  # stopped by the time limit, or the solver failed: say so
     if best is None:
-        return last
+        return Solution({}, math.inf, 0, 0, spent, "Beaten", solver=solver) if beaten else last
     return replace(_effective(problem, best), solve_s=spent)
 
 
-def _within(problem: Problem, limit: float, reduce: bool, time_limit_s, solver: str, tries: int = 12) -> Solution:
-    """The fastest plan under the memory limit, checked in exact bytes.
+_MOST_BRANCHES = 4  # recompute binaries are branched on up to this many values (all of them, or none)
+
+
+def _branches(x: dict) -> list[dict]:
+    """Every value of the recompute binaries, as ``{(class, bit): 0 or 1}``; ``[{}]`` when there are none or
+    more than `_MOST_BRANCHES` values (`recompute="layers"` counts each class's layers in several bits)."""
+    bits = [(k, j) for k, (_, variables) in x.get(_RECOMPUTE, {}).items() for j in range(len(variables))]
+    if not bits or 2 ** len(bits) > _MOST_BRANCHES:
+        return [{}]
+    return [dict(zip(bits, values)) for values in product((1, 0), repeat=len(bits))]
+
+
+def _fix(x: dict, fixed: dict) -> None:
+    """Pin the recompute binaries named in ``fixed`` to their values (both bounds)."""
+    for (k, j), value in fixed.items():
+        variable = x[_RECOMPUTE][k][1][j]
+        variable.lowBound = variable.upBound = value
+
+
+def _fixed_bound(lp, x: dict, fixed: dict) -> float | None:
+    """The LP relaxation's bound of ``lp`` with ``fixed`` pinned; the bounds are freed again after."""
+    _fix(x, fixed)
+    try:
+        return lp_relaxation_bound(lp)
+    finally:
+        for (k, j) in fixed:
+            variable = x[_RECOMPUTE][k][1][j]
+            variable.lowBound, variable.upBound = 0, 1
+
+
+def _within(problem: Problem, limit: float, reduce: bool, time_limit_s, solver: str, tries: int = 12,
+            fixed: dict | None = None) -> Solution:
+    """The fastest plan under the memory limit, checked in exact bytes (``fixed``: recompute binaries pinned).
 
     The solver meets each row to its tolerances (1e-6 of a MiB, and a binary
     may sit 1e-6 off its integer, which a large choice's bytes multiply), so
@@ -382,7 +447,9 @@ def _within(problem: Problem, limit: float, reduce: bool, time_limit_s, solver: 
     """
     row = limit
     for attempt in range(tries):
-        solution = _run(*_model(problem, "time", row, reduce), time_limit_s, solver)
+        lp, x = _model(problem, "time", row, reduce)
+        _fix(x, fixed or {})
+        solution = _run(lp, x, time_limit_s, solver)
         if solution.status != "Optimal":
             return solution
         excess = memory_bytes(problem, solution.choice, solution.recompute) - limit

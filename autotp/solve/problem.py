@@ -265,7 +265,8 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
         coster.add_uses(producer, list(arms), count, micro_batches)
     problem.regather = {kind: r for kind, r in problem.regather.items() if training and (r.groups or r.edges or r.items)}
     if training and overlap_gradients:
-        problem.chain = build_chain(graph, problem, deferred, coster.gradient_table, mesh, profile, training)
+        problem.chain = build_chain(graph, problem, deferred, coster.gradient_table, mesh, profile, training,
+                                    micro_batches)
         problem.prefetch = build_prefetch(graph, problem, mesh, profile)
     return problem
 
@@ -298,7 +299,7 @@ class _Coster:
                                         + (0.0 if self.prefetched(op) else optimizer_time_s(op, strategy, self.mesh,
                                                                                            self.profile)))
             group.memory_bytes[c] += count * sum(node_memory_bytes(op, strategy, self.mesh, self.training,
-                                                                   self.precision, self.problem.micro_batches).values())
+                                                                   self.precision).values())
 
     def prefetched(self, op) -> bool:
         """Whether ``op``'s all-gather after the optimizer step goes to the prefetch chain (`build_prefetch`)."""

@@ -30,7 +30,8 @@ The bounds, per piece of the step model (`autotp.solve.problem`):
   sum and shrinks with every second of backward compute, by at most the
   change: the bound adds the positive part of each term's change; the same
   holds for the prefetch chain's wait (`autotp.solve.prefetch`), with ZeRO's
-  all-gathers and the forward compute;
+  all-gathers and the forward compute, and for the early micro-batches'
+  chain, times their number;
 * a layer class's recomputation (`autotp.solve.recompute`) adds the forward
   seconds of the group's choice if the class is recomputed, and frees its
   activation bytes: the bound adds the rise of the one and the fall of the
@@ -170,9 +171,9 @@ class _TimeBounds(_Bounds):
                 for g, values in rc.forward_s.items():
                     self.node[g] = self.node[g] + _rise(np.array(values, dtype=float))
 
-    def _add_chain(self, chain) -> None:
+    def _add_chain(self, chain, times: int = 1) -> None:
         for block in chain.blocks:
-            n = block.repeat  # each repeat is one more stage whose terms may rise
+            n = times * block.repeat  # each repeat is one more stage whose terms may rise
             for stage in block.stages:
                 for g, values in stage.reduce_nodes.items():
                     self.node[g] = self.node[g] + n * _rise(np.array(values, dtype=float))
@@ -181,7 +182,9 @@ class _TimeBounds(_Bounds):
                 for g, values in stage.before.items():
                     self.node[g] = self.node[g] + n * _rise(-np.array(values, dtype=float))
         for g, values in chain.after.items():
-            self.node[g] = self.node[g] + _rise(-np.array(values, dtype=float))
+            self.node[g] = self.node[g] + times * _rise(-np.array(values, dtype=float))
+        if chain.early is not None:  # the early micro-batches' chain, paid ``earlier`` times
+            self._add_chain(chain.early, times * chain.earlier)
 
 
 class _MemoryBounds(_Bounds):
