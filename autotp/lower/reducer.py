@@ -73,17 +73,17 @@ import torch.distributed as dist
 from autotp.lower.collectives import count
 
 GRADIENT_SLICE = "gradient_slice"  # ZeRO-2's reduce-scatter of a summed gradient into the optimizer's slices
-
-
-def _sliced(entry) -> bool:
-    """Whether ``entry``'s sum ends in ZeRO-2's reduce-scatter: summed in every pass, ``no_sync`` or not."""
-    return bool(entry.unit) and entry.unit[-1][0] == GRADIENT_SLICE
 _ASYNC = {
     "all_reduce": lambda out, x, group: dist.all_reduce(x, group=group, async_op=True),
     "reduce_scatter": lambda out, x, group: dist.reduce_scatter_single(out, x, group=group, async_op=True),
     GRADIENT_SLICE: lambda out, x, group: dist.reduce_scatter_single(out, x, group=group, async_op=True),
     "all_gather": lambda out, x, group: dist.all_gather_single(out, x, group=group, async_op=True),
 }
+
+
+def _sliced(unit: tuple) -> bool:
+    """Whether a sum's steps end in ZeRO-2's reduce-scatter: summed in every pass, ``no_sync`` or not."""
+    return bool(unit) and unit[-1][0] == GRADIENT_SLICE
 
 
 @dataclass
@@ -112,7 +112,7 @@ class _Bucket:
 
     def __post_init__(self):
         multiple = math.prod(comm.size for kind, comm in self.unit if kind == "reduce_scatter")
-        self.slices = self.unit[-1][1].size if self.unit and self.unit[-1][0] == GRADIENT_SLICE else 1
+        self.slices = self.unit[-1][1].size if _sliced(self.unit) else 1
         # a member's piece of a device's part: its whole gradient, or (ZeRO-2) one of its n slices
         sizes = [-(-e.param.numel() // self.slices) for e in self.entries]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
@@ -276,7 +276,7 @@ class GradientReducer:
 
     def _arrive(self, i: int):
         def hook(grad: torch.Tensor):
-            if not self.syncing and not _sliced(self.entries[i]):
+            if not self.syncing and not _sliced(self.entries[i].unit):
                 return self._hold(i, grad)
             if self.ready(i, grad):
                 return torch.zeros_like(grad)  # the sum is added into the existing .grad when backward ends

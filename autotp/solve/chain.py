@@ -43,7 +43,7 @@ the activation collectives of the backward pass do not hide gradient sums.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autotp.cost.compute import backward_time_s
 from autotp.graph.signature import layer_of
@@ -108,8 +108,8 @@ def build_chain(graph, problem, deferred: set[str], gradient_table, mesh, profil
         _add_use(stage, problem, gu, gv, table)
         slices = [problem.strategy(param, c).gradient_split for c in range(problem.groups[gu].n)]
         if micro_batches > 1 and any(slices):
-            early = sliced.setdefault(position[consumer], Stage(position[consumer]))
-            _add_use(early, problem, gu, gv, [row if cut else [0.0] * len(row) for row, cut in zip(table, slices)])
+            own = sliced.setdefault(position[consumer], Stage(position[consumer]))
+            _add_use(own, problem, gu, gv, [row if cut else [0.0] * len(row) for row, cut in zip(table, slices)])
     order = sorted(stages.values(), key=lambda s: -s.position)
     after: dict[str, list[float]] = {}
     starts = [-s.position for s in order]  # ascending, for bisect
@@ -128,8 +128,7 @@ def build_chain(graph, problem, deferred: set[str], gradient_table, mesh, profil
         add_terms(target, group.leader, list(memo[twin]))
     chain = Chain(fold_blocks(graph, order), after)
     if sliced:
-        early = [Stage(s.position, sliced[s.position].reduce_nodes if s.position in sliced else {},
-                       sliced[s.position].reduce_pairs if s.position in sliced else {}, s.before) for s in order]
+        early = [replace(sliced.get(s.position, Stage(s.position)), before=s.before) for s in order]
         chain.early, chain.earlier = Chain(fold_blocks(graph, early), after), micro_batches - 1
     return chain
 

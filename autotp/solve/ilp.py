@@ -374,25 +374,26 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
     limit, which solves each set whole. Exact: the branches partition the
     plans, and a bound never exceeds its branch's optimum.
     """
-    branches = []  # (bound, order, kinds, variant, fixed)
+    branches = []  # (bound, order, kinds, variant, fixed, the set's ILP under the limit or None)
     for kinds in kind_sets(problem):
         variant = folded(problem, kinds)
         if time_limit_s is not None:
-            branches.append((0.0, len(branches), kinds, variant, {}))
+            branches.append((0.0, len(branches), kinds, variant, {}, None))  # no bounds: built to solve
             continue
-        lp, x = _model(variant, "time", limit, reduce)
-        for fixed in _branches(x):
-            bound = _fixed_bound(lp, x, fixed)
-            branches.append((math.inf if bound is None else bound, len(branches), kinds, variant, fixed))
+        model = _model(variant, "time", limit, reduce)
+        for fixed in _branches(model[1]):
+            _fix(model[1], fixed)
+            bound = lp_relaxation_bound(model[0])
+            branches.append((math.inf if bound is None else bound, len(branches), kinds, variant, fixed, model))
     branches.sort(key=lambda b: b[:2])
     best, spent, last, beaten = None, 0.0, None, False
     cutoff = beat_s * _SCALE if beat_s is not None else None
-    for bound, _, kinds, variant, fixed in branches:
+    for bound, _, kinds, variant, fixed, model in branches:
         target = best.objective_s if best is not None else cutoff
         if target is not None and bound >= target * (1 + _BOUND_MARGIN):
             beaten = True
             continue
-        last = _within(variant, limit, reduce, time_limit_s, solver, fixed=fixed)
+        last = _within(variant, limit, reduce, time_limit_s, solver, fixed=fixed, model=model)
         spent += last.solve_s
         if last.status == "Optimal" and cutoff is not None and last.objective_s >= cutoff * (1 - _BOUND_MARGIN):
             beaten = True
@@ -418,26 +419,17 @@ def _branches(x: dict) -> list[dict]:
 
 
 def _fix(x: dict, fixed: dict) -> None:
-    """Pin the recompute binaries named in ``fixed`` to their values (both bounds)."""
+    """Pin the recompute binaries named in ``fixed`` to their values (both bounds); a branch pins every one, so
+    the same model serves each branch in turn."""
     for (k, j), value in fixed.items():
         variable = x[_RECOMPUTE][k][1][j]
         variable.lowBound = variable.upBound = value
 
 
-def _fixed_bound(lp, x: dict, fixed: dict) -> float | None:
-    """The LP relaxation's bound of ``lp`` with ``fixed`` pinned; the bounds are freed again after."""
-    _fix(x, fixed)
-    try:
-        return lp_relaxation_bound(lp)
-    finally:
-        for (k, j) in fixed:
-            variable = x[_RECOMPUTE][k][1][j]
-            variable.lowBound, variable.upBound = 0, 1
-
-
 def _within(problem: Problem, limit: float, reduce: bool, time_limit_s, solver: str, tries: int = 12,
-            fixed: dict | None = None) -> Solution:
-    """The fastest plan under the memory limit, checked in exact bytes (``fixed``: recompute binaries pinned).
+            fixed: dict | None = None, model: tuple | None = None) -> Solution:
+    """The fastest plan under the memory limit, checked in exact bytes (``fixed``: recompute binaries pinned;
+    ``model``: the ILP under ``limit`` itself, already built).
 
     The solver meets each row to its tolerances (1e-6 of a MiB, and a binary
     may sit 1e-6 off its integer, which a large choice's bytes multiply), so
@@ -447,7 +439,7 @@ def _within(problem: Problem, limit: float, reduce: bool, time_limit_s, solver: 
     """
     row = limit
     for attempt in range(tries):
-        lp, x = _model(problem, "time", row, reduce)
+        lp, x = model if model is not None and row == limit else _model(problem, "time", row, reduce)
         _fix(x, fixed or {})
         solution = _run(lp, x, time_limit_s, solver)
         if solution.status != "Optimal":
