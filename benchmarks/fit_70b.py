@@ -15,8 +15,9 @@ them), and the model FLOPs utilisation
 
 (the dense bf16 peak of an H100 SXM, as the issue that asked for it counts).
 
-Run: ``python benchmarks/fit_70b.py [--only 4x8-8,4x8-64,8-1] [--recompute-layers]`` (the second: any number
-of the layers recomputed, `plan(recompute="layers")`; the Megatron-style baseline keeps all or none)
+Run: ``python benchmarks/fit_70b.py [--only 4x8-8,4x8-64,8-1] [--recompute-layers] [--micro-batches K]``
+(the second: any number of the layers recomputed, `plan(recompute="layers")`; the Megatron-style baseline
+keeps all or none; the third fixes the micro-batch count instead of searching it, which is quicker)
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ CASES = {  # name -> (mesh, links, global batch)
 }
 
 
-def report(name: str, recompute=True) -> None:
+def report(name: str, recompute=True, micro_batches="auto") -> None:
     mesh_shape, links, batch = CASES[name]
     model, args, kwargs = shapes.llama2_70b(batch=batch)
     params = sum(t.numel() for t in model.parameters())
@@ -50,7 +51,8 @@ def report(name: str, recompute=True) -> None:
     started = time.perf_counter()
     print(f"\n### Llama-2-70B, mesh {mesh}, global batch {batch} x 4096")
     try:
-        plan = autotp.plan(model, mesh, args, kwargs, profile="h100-hgx", recompute=recompute)
+        plan = autotp.plan(model, mesh, args, kwargs, profile="h100-hgx", recompute=recompute,
+                           micro_batches=micro_batches)
     except autotp.AutotpError as exc:
         print(f"\n{type(exc).__name__} after {time.perf_counter() - started:.1f} s: {exc}")
         return
@@ -106,9 +108,12 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(CASES))
     parser.add_argument("--recompute-layers", dest="recompute", action="store_const", const="layers", default=True,
                         help="let autotp recompute any number of the 80 layers, not only all or none")
+    parser.add_argument("--micro-batches", dest="micro_batches", default="auto",
+                        type=lambda v: v if v == "auto" else int(v),
+                        help="fix the number of micro-batches (default: the planner searches them)")
     args = parser.parse_args()
     for name in args.only.split(","):
-        report(name, args.recompute)
+        report(name, args.recompute, args.micro_batches)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,15 @@
   sequence parallelism, H100 profile): the same plan priced with and without
   ``overlap_tp`` differs by exactly ``predicted["overlap_hidden_s"]``, which
   is positive and no more than the all-gathers and reduce-scatters on the
-  axis; compute plus collectives less all that is hidden is the step.
+  axis; compute plus collectives less all that is hidden is the step. A GPT
+  regathered under a limit: the gathers run again cost less with the rings,
+  by what their backward hides.
 * Lowering (4 gloo ranks, on 2x2 with every weight stored split on dp too,
   and on 4, a ring of four; the same split on tp): the rank program runs ring gather-matmuls and
   matmul-scatters in place of the activations' all-gathers and
   reduce-scatters, and outputs and every gradient match the single device,
-  with the gathered inputs kept, regathered and recomputed; with dropout on,
+  with the gathered inputs kept, regathered (by the ring of backward itself,
+  never rebuilt before it) and recomputed; with dropout on,
   from the same seed, regathering and recomputation give what the rings
   alone give.
 * A transformers Llama under Megatron's sequence parallelism on 4 gloo
@@ -28,12 +31,13 @@ import autotp
 from autotp.cost.collective_matmul import splits_rows
 from autotp.lower.collective_matmul import GatherMatmul, MatmulScatter
 from autotp.lower.recompute import Recomputed
+from autotp.lower.regather import Regathered
 from autotp.model_spec import ModelSpec, build
 from autotp.report.baselines import baseline_plans, sequence_parallel_only
 from autotp.runtime import spawn
 from autotp.runtime.verify import max_errors, scaled_error
 from autotp.solve.constraints import same_as
-from helpers import check_exact_with_dropout, dropout_net, planned_and_run, worst_gradient_error
+from helpers import check_exact_with_dropout, dropout_net, make_model, planned_and_run, worst_gradient_error
 
 aten = torch.ops.aten
 TOLERANCE = 1e-5
@@ -83,6 +87,25 @@ def test_the_same_plan_is_faster_by_exactly_what_the_matmuls_hide():
     assert overlapped.runtime["overlap_tp"] and not whole.runtime["overlap_tp"]
 
 
+def test_a_regathered_input_costs_what_the_rings_backward_cannot_hide():
+    """The same strategies under a limit only regathering meets: with collective matmuls the gathers run again
+    in backward cost less (their matmuls' backward rings carry them), and the whole difference between the two
+    pricings is what the rings hide, forward, backward and regathered."""
+    model, inputs = make_model("gpt")
+    mesh = autotp.Mesh("4", links="nvlink")
+    options = dict(profile="h100-hgx", micro_batches=1, recompute=False, optimizer_sharding=False)
+    free = autotp.plan(model, mesh, inputs, allow=sequence_parallel_only(32, 0), **options)
+    limit = int(free.memory["total"]) - 1
+    rings = autotp.plan(model, mesh, inputs, memory_limit=limit, allow=same_as(free), **options)
+    whole = autotp.plan(model, mesh, inputs, memory_limit=limit, allow=same_as(free), overlap_tp=False, **options)
+    assert rings.nodes == whole.nodes == free.nodes and rings.regather == whole.regather == ["activations"]
+    p, q = rings.predicted, whole.predicted
+    assert 0 < p["regather_s"] < q["regather_s"]
+    assert q["total_s"] - p["total_s"] == pytest.approx(p["overlap_hidden_s"] + q["regather_s"] - p["regather_s"],
+                                                        rel=1e-9)
+    assert p["compute_s"] + p["comm_s"] - p["hidden_s"] == pytest.approx(p["total_s"], rel=1e-9)
+
+
 def _plans(mesh) -> dict:
     base = _plan(mesh)
     out = {}
@@ -98,14 +121,18 @@ def _plans(mesh) -> dict:
 
 
 def _run(rank, world, plans):
-    out, noisy = {}, {}
+    out, noisy, rebuilt = {}, {}, []
+    rebuild = Regathered.rebuild
+    Regathered.rebuild = lambda record: rebuilt.append(record.module) or rebuild(record)  # a spy: it still runs
     for name, plan in plans.items():
         model, inputs = dropout_net(0.0, seq=8)
         reference = dropout_net(0.0, seq=8)[0]
         local = autotp.parallelize(model, plan)
         want, got = reference(*inputs), local(*inputs)
         want.backward()
+        rebuilt.clear()
         got.backward()
+        rings = [m for m in local.modules() if isinstance(m, GatherMatmul)]
         dropped = autotp.parallelize(dropout_net(0.3, seq=8)[0], plan)
         torch.manual_seed(7)
         loss = dropped(*inputs)
@@ -114,6 +141,8 @@ def _run(rank, world, plans):
         out[name] = {"output": scaled_error(got, want), "gradient": worst_gradient_error(local, reference, plan, rank),
                      "gather_matmuls": sum(isinstance(m, GatherMatmul) for m in local.modules()),
                      "matmul_scatters": sum(isinstance(m, MatmulScatter) for m in local.modules()),
+                     "regathering_rings": sum(m.gather.regather for m in rings),
+                     "rings_rebuilt": sum(any(g is m.gather for m in rings) for g in rebuilt),
                      "recomputed_rings": sum(isinstance(m, (GatherMatmul, MatmulScatter)) for r in local.modules()
                                              if isinstance(r, Recomputed) for m in r.modules()),
                      "dropout_drew": abs(float(loss.detach()) - float(got.detach())) > 1e-3}
@@ -146,6 +175,8 @@ def test_rings_replace_the_activations_collectives_and_stay_exact(results):
                 assert rings == (0, 0), where
             else:  # gathered into each block's up and into the head; each block's down product scattered
                 assert rings == (3, 2), f"{where}: {rings}"
+            if name == "regathered":  # the rings' inputs, read by nothing else, come round again in their backward
+                assert e["regathering_rings"] == 3 and e["rings_rebuilt"] == 0, f"{where}: {e}"
             # in a recomputed block the rings join its checkpointed stretches, and run again in backward
             assert (e["recomputed_rings"] == 4) == name.endswith("recomputed"), f"{where}: {e['recomputed_rings']}"
 
@@ -161,18 +192,25 @@ def _llama():
 def _llama_errors(rank, world, plan):
     model, args, kwargs = _llama()
     local = autotp.parallelize(_llama()[0], plan)
-    rings = sum(isinstance(m, (GatherMatmul, MatmulScatter)) for m in local.modules())
-    return rings, max_errors(model, plan, args, rank, kwargs=kwargs)
+    rings = [m for m in local.modules() if isinstance(m, (GatherMatmul, MatmulScatter))]
+    matmuls = sum(len(m.targets) for m in rings if isinstance(m, GatherMatmul))
+    shared = sum(m.shared for m in rings if isinstance(m, GatherMatmul))
+    again = sum(m.gather.regather for m in rings if isinstance(m, GatherMatmul))
+    return len(rings), matmuls, shared, again, max_errors(model, plan, args, rank, kwargs=kwargs)
 
 
-def test_a_transformers_llama_under_megatrons_sequence_parallelism_runs_rings_exactly():
-    """Each layer: the norms' outputs gathered into q (k, v share it) and into gate (up shares it), o's and down's
-    products scattered; the head's input gathered too."""
+@pytest.mark.parametrize("regather", [[], ["activations"]])
+def test_a_transformers_llama_under_megatrons_sequence_parallelism_runs_rings_exactly(regather):
+    """Each layer: the norms' outputs gathered by one ring into q, k and v, and by one into gate and up; o's and
+    down's products scattered; the head's input gathered too. Regathered, each gathers its input again in
+    backward, as the ring of the matmuls' backward."""
     model, args, kwargs = _llama()
     mesh = autotp.Mesh("4", links="nvlink")
     megatron = baseline_plans(model, mesh, args, kwargs, names=("megatron-sp",), profile="h100-hgx",
                               memory_limit=None)[0].plan
     assert megatron.predicted["overlap_hidden_s"] > 0
-    for rank, (rings, errors) in enumerate(spawn(_llama_errors, mesh.size, megatron)):
-        assert rings == 2 * 4 + 1, f"rank {rank}: {rings} collective matmuls"
+    megatron = autotp.Plan.from_dict({**megatron.to_dict(), "regather": regather})
+    for rank, (rings, matmuls, shared, again, errors) in enumerate(spawn(_llama_errors, mesh.size, megatron)):
+        assert (rings, matmuls, shared) == (2 * 4 + 1, 2 * 5 + 1, 0), f"rank {rank}: {rings, matmuls, shared}"
+        assert again == (2 * 2 + 1 if regather else 0), f"rank {rank}: {again} rings gather again in backward"
         assert errors["output"] <= TOLERANCE and errors["gradient"] <= TOLERANCE, f"rank {rank}: {errors}"

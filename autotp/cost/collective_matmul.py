@@ -24,8 +24,24 @@ the matmul runs alone, so each collective is exposed only by what
            + min(backward collective, (n - 1) / n * matmul backward)
 
 `autotp.lower.collective_matmul` runs these forms wherever they are credited
-(and fuses a few uses it is not credited for, never the reverse). A gather run again
-in backward (`autotp.solve.regather`) stays on the critical path.
+(and fuses a few uses it is not credited for, never the reverse); one ring
+serves every matmul that reads the gathered tensor (a layer's q, k and v),
+credited as the least of them alone.
+
+A gathered input regathered (`autotp.solve.regather`: kept as its shard and
+gathered again in backward) comes round again in the ring of the matmul's
+backward, beside the input gradient's reduce-scatter: each chunk's share of
+the weight's gradient is computed as it lands. Megatron-LM likewise overlaps
+sequence parallelism's all-gather in backward with the input gradient's
+matmul. Of the ``again`` seconds the ring hides what the backward pass has
+left after its own collective:
+
+    regather hidden = min(backward collective + again, (n - 1) / n * matmul backward)
+                    - min(backward collective, (n - 1) / n * matmul backward)
+
+It does so only where the matmuls are the gathered tensor's only readers
+(any other would need it whole); otherwise the gather runs again, whole,
+before the backward that reads it.
 
 A use qualifies when its redistribution is one collective on one mesh axis of
 more than one device, and:
@@ -79,9 +95,10 @@ def _rows_of(op, dim: int) -> bool:
 
 
 def hidden_s(lone, producer, made, consumer, strategy, i: int, sole_use: bool, mesh, profile,
-             training: bool) -> float:
-    """The seconds of a use's collectives, forward and backward, that a collective matmul hides (0 where none
-    qualifies).
+             training: bool, again: float = 0.0) -> tuple[float, float]:
+    """The seconds of a use's collectives, forward and backward, that a collective matmul hides, and of
+    ``again`` (its gather run again in backward, regathered) what the same ring hides besides; ``(0, 0)``
+    where none qualifies.
 
     ``lone`` is `lone_collective` of the use's steps; ``producer``/``made`` and
     ``consumer``/``strategy`` are the two ops and their strategies (``consumer``
@@ -89,15 +106,18 @@ def hidden_s(lone, producer, made, consumer, strategy, i: int, sole_use: bool, m
     other use.
     """
     if lone is None:
-        return 0.0
+        return 0.0, 0.0
     step, forward, backward = lone
-    if (step.forward_kind == ALL_GATHER and consumer is not None and i == 0 and _rows_of(consumer, step.dim)
-            and not any(isinstance(p, Partial) for p in strategy.out)):
+    gathers = (step.forward_kind == ALL_GATHER and consumer is not None and i == 0
+               and _rows_of(consumer, step.dim) and not any(isinstance(p, Partial) for p in strategy.out))
+    if gathers:
         matmul, chosen = consumer, strategy
     elif step.kind == REDUCE_SCATTER and sole_use and _rows_of(producer, step.dim):
         matmul, chosen = producer, made
     else:
-        return 0.0
+        return 0.0, 0.0
     share = (mesh.shape[step.axis] - 1) / mesh.shape[step.axis]
-    return (min(forward, share * forward_time_s(matmul, chosen, mesh, profile))
-            + min(backward, share * backward_time_s(matmul, chosen, mesh, profile, training)))
+    ahead = share * forward_time_s(matmul, chosen, mesh, profile)
+    behind = share * backward_time_s(matmul, chosen, mesh, profile, training)
+    hidden = min(forward, ahead) + min(backward, behind)
+    return hidden, (min(backward + again, behind) - min(backward, behind)) if gathers else 0.0

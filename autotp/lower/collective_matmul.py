@@ -4,19 +4,25 @@ Two rewrites of the rank graph, once its collectives are in place, when the
 plan says so (``plan.runtime["overlap_tp"]``):
 
     all_gather_tp_d1(x) -> linear(g, w) -> ...        becomes  gather_matmul_linear(x, w)
+    (and linear(g, w2), linear(g, w3) join it: gather_matmul_linear(x, w, w2, w3))
     linear(x, w) -> reduce_scatter_tp_d1(p) -> ...    becomes  matmul_scatter_linear(x, w)
 
 Two rings do all the work (`ring_gather`, `ring_reduce_scatter`): each step
 sends one chunk to the next device on the axis and receives one from the
 previous, and while it travels the matmul works on a chunk it already has.
 
-* `GatherMatmul` gathers ``x`` with `ring_gather`, multiplying each chunk as
-  it lands into one buffer, the gathered tensor (which the gathered tensor's
-  other users read, and which is kept for backward, or regathered:
-  `autotp.lower.regather`). Backward reduce-scatters the input's gradient
-  with `ring_reduce_scatter`, computing each chunk's rows of it (and their
-  share of the weight's gradient) while the previous chunk's sum travels; an
-  all-gather whose gradient arrives whole takes only its own rows.
+* `GatherMatmul` gathers ``x`` with `ring_gather` for every matmul that reads
+  the gathered tensor by its rows (a layer's q, k and v: one ring), each
+  multiplying each chunk as it lands, into one buffer, the gathered tensor
+  (which its other users read, if any, and which is kept for backward).
+  Backward reduce-scatters the input's gradient with `ring_reduce_scatter`,
+  computing each chunk's rows of it (and their share of the weights'
+  gradients) while the previous chunk's sum travels; an all-gather whose
+  gradient arrives whole takes only its own rows. Regathered
+  (`autotp.lower.regather`) with no other reader, it keeps only the shard,
+  and backward's ring carries the chunks again beside the sums
+  (`ring_gather_reduce_scatter`): the weights' gradient shares run on each
+  as it lands.
 * `MatmulScatter` reduce-scatters its product with `ring_reduce_scatter`,
   computing each chunk's partial rows while the previous sum travels.
   Backward gathers the output's gradient with `ring_gather`, running the
@@ -46,16 +52,17 @@ aten = torch.ops.aten
 FUSED = "autotp_fused"  # node meta: the matmul a collective matmul (or a piece of its result) stands for
 
 
-def _shift(comm, send: torch.Tensor) -> tuple[torch.Tensor, list]:
-    """Send ``send`` to the next device on the axis; the buffer the previous one's lands in, and the transfers.
+def _shift(comm, *sends: torch.Tensor) -> tuple[list[torch.Tensor], list]:
+    """Send each of ``sends`` to the next device on the axis; the buffers the previous one's land in, and the
+    transfers.
 
-    The send and the receive go out as one batch: NCCL hangs on two devices that each send to and receive from
-    the other in separate calls."""
+    The sends and the receives go out as one batch, matched in order: NCCL hangs on two devices that each send
+    to and receive from the other in separate calls."""
     n, i = comm.size, comm.index
-    incoming = torch.empty_like(send)
-    return incoming, dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, send, group=comm.group, group_peer=(i + 1) % n),
-        dist.P2POp(dist.irecv, incoming, group=comm.group, group_peer=(i - 1) % n)])
+    incoming = [torch.empty_like(send) for send in sends]
+    ops = [dist.P2POp(dist.isend, send, group=comm.group, group_peer=(i + 1) % n) for send in sends]
+    ops += [dist.P2POp(dist.irecv, buf, group=comm.group, group_peer=(i - 1) % n) for buf in incoming]
+    return incoming, dist.batch_isend_irecv(ops)
 
 
 def _wait(works: list) -> None:
@@ -69,7 +76,7 @@ def ring_gather(comm, mine: torch.Tensor, work) -> None:
     n, index, held = comm.size, comm.index, mine.contiguous()
     for step in range(n):
         if step < n - 1:
-            incoming, works = _shift(comm, held)
+            (incoming,), works = _shift(comm, held)
         work(index, held)
         if step < n - 1:
             _wait(works)
@@ -82,10 +89,29 @@ def ring_reduce_scatter(comm, partial) -> torch.Tensor:
     n, i = comm.size, comm.index
     acc = partial((i - 1) % n).contiguous()
     for step in range(n - 1):  # the sum of chunk i - step - 1 goes on; that of chunk i - step - 2 arrives
-        incoming, works = _shift(comm, acc)
+        (incoming,), works = _shift(comm, acc)
         part = partial((i - step - 2) % n)
         _wait(works)
         acc = incoming.add_(part)
+    return acc
+
+
+def ring_gather_reduce_scatter(comm, mine: torch.Tensor, work, partial) -> torch.Tensor:
+    """`ring_gather` and `ring_reduce_scatter` at once, one batch of transfers a step: ``work(index, chunk)``
+    on every device's chunk of ``mine`` as it lands, and the sum of this device's chunk of ``partial``.
+
+    Backward of a regathered collective matmul: the input's chunks come round again for the weight's gradient
+    while the input gradient's sums go round, both behind the matmul's backward."""
+    n, i = comm.size, comm.index
+    held, index = mine.contiguous(), i
+    acc = partial((i - 1) % n).contiguous()
+    for step in range(n - 1):
+        (incoming, summed), works = _shift(comm, held, acc)
+        work(index, held)
+        part = partial((i - step - 2) % n)
+        _wait(works)
+        held, index, acc = incoming, (index - 1) % n, summed.add_(part)
+    work(index, held)
     return acc
 
 
@@ -120,70 +146,110 @@ def _chunk(x: torch.Tensor, dim: int, n: int, index: int) -> torch.Tensor:
 
 class _GatherMatmulFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, module):
+    def forward(ctx, x, module, *ws):
         gather = module.gather
         comm, dim = gather.comm, gather.dim
         size = x.shape[dim]
         shape = list(x.shape)
         shape[dim] *= comm.size
         full = x.new_empty(shape)
-        products = [None] * comm.size
+        products = [[None] * comm.size for _ in ws]
 
         def land(index, chunk):
             full.narrow(dim, index * size, size).copy_(chunk)
-            products[index] = module.target(chunk, w)
+            for k, (target, w) in enumerate(zip(module.targets, ws)):
+                products[k][index] = target(chunk, w)
 
         ring_gather(comm, x, land)
-        if gather.regather or tagged(x):
+        again = gather.regather or tagged(x)
+        if again:
             tag(full, x, gather)  # kept as the shard: backward gathers it again
+        # the ring of backward gathers it again itself when the matmuls are its only readers; a recomputed one
+        # rebuilds it by running this forward again instead (`autotp.lower.recompute`)
+        ctx.ring_again = again and not module.shared and not module.recomputed
         ctx.module = module
-        ctx.save_for_backward(full, w)
-        out = torch.cat(products, dim)
-        return (out, full) if module.shared else out
+        ctx.save_for_backward(x if ctx.ring_again else full, *ws)
+        outs = [torch.cat(p, dim) for p in products] + ([full] if module.shared else [])
+        return tuple(outs) if len(outs) > 1 else outs[0]
 
     @staticmethod
-    def backward(ctx, grad, grad_full=None):
-        full, w = ctx.saved_tensors
-        grad = grad.to(full.dtype)  # under autocast the product came out in another dtype
+    def backward(ctx, *grads):
+        held, *ws = ctx.saved_tensors  # the gathered input, or with ring_again this device's shard of it
         module = ctx.module
-        gather, target = module.gather, module.target
+        gather, targets = module.gather, module.targets
         comm, dim, n = gather.comm, gather.dim, gather.comm.size
-        if gather.kind == ALL_GATHER_RS:  # the gradient arrives partial: sum it over the axis as a ring
-            weight_grad = _weight_grad_buffer(w) if ctx.needs_input_grad[1] else None
+        grad_full = grads[len(ws)] if module.shared else None
+        grads = [None if g is None else g.to(held.dtype) for g in grads[:len(ws)]]  # autocast: another dtype
+        wanted = [ctx.needs_input_grad[2 + k] and g is not None for k, g in enumerate(grads)]
+        chunk_shape = list(held.shape)
+        if not ctx.ring_again:
+            chunk_shape[dim] //= n
+        again = ctx.ring_again and any(wanted)  # only the weights' gradients read the gathered input
 
-            def rows(index):  # this chunk's input gradient, and its share of the weight's
-                g = _chunk(grad, dim, n, index)
-                if weight_grad is not None:
-                    weight_grad.add_(_weight_grad(target, _chunk(full, dim, n, index), g))
-                own = _input_grad(target, g, w)
-                return own if grad_full is None else own + _chunk(grad_full, dim, n, index)
+        def input_rows(index):  # chunk ``index`` of the input's gradient, summed over the matmuls
+            total = grad_full.narrow(dim, index * chunk_shape[dim], chunk_shape[dim]) if grad_full is not None \
+                else held.new_zeros(chunk_shape)
+            for target, g, w in zip(targets, grads, ws):
+                if g is not None:
+                    total = total + _input_grad(target, _chunk(g, dim, n, index), w)
+            return total
 
-            count(comm, "reduce_scatter", full.numel() * full.element_size())
-            return ring_reduce_scatter(comm, rows), _as_weight(weight_grad, w), None
-        # it arrives whole: nothing to hide, this device's rows of the input's gradient and one weight gradient
-        own = _chunk(grad, dim, n, comm.index)
-        x_grad = _input_grad(target, own, w) if ctx.needs_input_grad[0] else None
-        if x_grad is not None and grad_full is not None:
-            x_grad = x_grad + _chunk(grad_full, dim, n, comm.index)
-        return x_grad, _weight_grad(target, full, grad) if ctx.needs_input_grad[1] else None, None
+        if gather.kind == ALL_GATHER_RS or again:
+            weight_grads = [_weight_grad_buffer(w) if want else None for w, want in zip(ws, wanted)]
+
+            def shares(index, rows):  # the weights' gradients over one chunk of the gathered input's rows
+                for target, g, wg in zip(targets, grads, weight_grads):
+                    if wg is not None:
+                        wg.add_(_weight_grad(target, rows, _chunk(g, dim, n, index)))
+
+            if gather.kind == ALL_GATHER_RS:  # the gradient arrives partial: sum it over the axis as a ring
+                count(comm, "reduce_scatter", held.numel() * held.element_size() * (n if ctx.ring_again else 1))
+                if again:
+                    count(comm, "all_gather", held.numel() * held.element_size() * n)
+                    x_grad = ring_gather_reduce_scatter(comm, held, shares, input_rows)
+                else:
+                    def rows(index):  # this chunk's input gradient, and its share of the weights'
+                        shares(index, _chunk(held, dim, n, index))
+                        return input_rows(index)
+                    x_grad = ring_reduce_scatter(comm, rows)
+            else:  # the gradient arrives whole: this device's rows of it, while the shards come round again
+                count(comm, "all_gather", held.numel() * held.element_size() * n)
+                x_grad = None
+
+                def land(index, rows):
+                    nonlocal x_grad
+                    if x_grad is None and ctx.needs_input_grad[0]:
+                        x_grad = input_rows(comm.index)
+                    shares(index, rows)
+
+                ring_gather(comm, held, land)
+            return (x_grad, None, *(_as_weight(wg, w) for wg, w in zip(weight_grads, ws)))
+        # it arrives whole (and was kept, or no weight wants it): this device's rows of the input's gradient
+        x_grad = input_rows(comm.index) if ctx.needs_input_grad[0] else None
+        return (x_grad, None, *(_weight_grad(target, held, g) if want else None
+                                for target, g, want in zip(targets, grads, wanted)))
 
 
 class GatherMatmul(nn.Module):
-    """``target(all_gather(x), w)``, the gather a ring and the matmul run on each chunk as it lands.
+    """``target(all_gather(x), w)`` for each matmul reading the gathered tensor: the gather a ring, and every
+    matmul run on each chunk as it lands.
 
-    Returns the product, and with ``shared`` the gathered tensor too, for its other users.
+    Returns the products (one tensor, or a tuple), and with ``shared`` the
+    gathered tensor too, for its other users. ``recomputed``: it runs in a
+    checkpointed stretch (`autotp.lower.recompute`).
     """
 
-    def __init__(self, gather: Collective, target, shared: bool):
+    def __init__(self, gather: Collective, targets, shared: bool):
         super().__init__()
-        self.gather, self.target, self.shared = gather, target, shared
+        self.gather, self.targets, self.shared, self.recomputed = gather, tuple(targets), shared, False
 
-    def forward(self, x, w):
+    def forward(self, x, *ws):
         count(self.gather.comm, "all_gather", x.numel() * x.element_size() * self.gather.comm.size)
-        return _GatherMatmulFn.apply(x, w, self)
+        return _GatherMatmulFn.apply(x, self, *ws)
 
     def extra_repr(self) -> str:
-        return f"{self.gather.extra_repr()}, as a ring with {getattr(self.target, '__name__', self.target)}"
+        names = ", ".join(getattr(t, "__name__", str(t)) for t in self.targets)
+        return f"{self.gather.extra_repr()}, as a ring with {names}"
 
 
 class _MatmulScatterFn(torch.autograd.Function):
@@ -275,29 +341,59 @@ def _first_user(node):
 
 
 def _fuse_gather(gm, node, module, partial) -> bool:
+    """Fuse ``node``'s gather with its first user, a matmul by rows, and with every later user that is one too,
+    so that backward's ring serves them all (`_GatherMatmulFn`); the gathered tensor is shared only with the
+    users left (none: a regathered input is then gathered again by that ring alone)."""
     users, first = list(node.users), _first_user(node)
-    if (first is None or not _matmul_by_rows(first, module.dim) or first.args[0] is not node or first.kwargs
-            or node in first.args[1:] or first.name in partial
+    if (first is None or not _fusable(first, node, module, partial)
             or _is_collective(gm, node.args[0])):  # one collective is the whole redistribution, as priced
         return False
+    fused = [first] + [u for u in users if u is not first and _fusable(u, node, module, partial)
+                       and _hoisted(gm, u.args[1:], first)]
     name = f"gather_matmul_{first.name}"
-    gm.add_submodule(name, GatherMatmul(module, first.target, shared=len(users) > 1))
+    left = [u for u in users if u not in fused]
+    gm.add_submodule(name, GatherMatmul(module, [u.target for u in fused], shared=bool(left)))
     graph = gm.graph
     with graph.inserting_before(first):
-        call = graph.call_module(name, (node.args[0], *first.args[1:]))
+        call = graph.call_module(name, (node.args[0], *(u.args[1] for u in fused)))
         call.meta = {FUSED: first.name}
-        if len(users) > 1:
-            product = graph.call_function(operator.getitem, (call, 0))
-            gathered = graph.call_function(operator.getitem, (call, 1))
-            product.meta, gathered.meta = {**first.meta, FUSED: first.name}, {**node.meta, FUSED: first.name}
-            node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not first)
-        else:
-            product = call
+        if len(fused) == 1 and not left:
             call.meta = {**first.meta, FUSED: first.name}
-    first.replace_all_uses_with(product)
-    graph.erase_node(first)
+            outs = [call]
+        else:
+            outs = [graph.call_function(operator.getitem, (call, k)) for k in range(len(fused) + bool(left))]
+            for out, user in zip(outs, fused):
+                out.meta = {**user.meta, FUSED: first.name}
+    if left:
+        outs[-1].meta = {**node.meta, FUSED: first.name}
+        node.replace_all_uses_with(outs[-1], delete_user_cb=lambda user: user not in fused)
+    for user, out in zip(fused, outs):
+        user.replace_all_uses_with(out)
+        graph.erase_node(user)
     graph.erase_node(node)
     return True
+
+
+def _fusable(user, node, module, partial) -> bool:
+    """Whether ``user`` multiplies the gathered ``node`` by rows of its gathered dim, and nothing else of it."""
+    return (_matmul_by_rows(user, module.dim) and user.args[0] is node and not user.kwargs
+            and node not in user.args[1:] and user.name not in partial)
+
+
+_MOVABLE = (Collective, CollectiveChain)
+
+
+def _hoisted(gm, args, before) -> bool:
+    """Whether every node in ``args`` is computed before ``before``, moving the collectives that gather a weight
+    (and nothing they read is later) up to it; False, and nothing moved, when one cannot be."""
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    late = [a for a in args if isinstance(a, fx.Node) and order[a] > order[before]]
+    movable = all(a.op == "call_module" and isinstance(gm.get_submodule(a.target), _MOVABLE)
+                  and all(order[i] < order[before] for i in a.all_input_nodes) for a in late)
+    if movable:
+        for a in late:
+            before.prepend(a)
+    return movable
 
 
 def _fuse_scatter(gm, node, module) -> bool:

@@ -32,7 +32,7 @@ from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
 from autotp.graph.signature import layer_path
-from autotp.lower.collective_matmul import FUSED
+from autotp.lower.collective_matmul import FUSED, GatherMatmul
 from autotp.lower.regather import regathering_nodes
 
 
@@ -97,6 +97,9 @@ def _regathering_inside(gm: fx.GraphModule, layer: dict) -> dict[fx.Node, str]:
 def _checkpoint(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> None:
     """Replace ``nodes`` (consecutive) by one call of a checkpointed module computing the same outputs."""
     inside = set(nodes)
+    for n in nodes:  # a collective matmul recomputed keeps its gathered input for its backward, as it was
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), GatherMatmul):
+            gm.get_submodule(n.target).recomputed = True
     inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
     outputs = [n for n in nodes if any(user not in inside for user in n.users)]
     sub = fx.Graph()

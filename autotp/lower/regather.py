@@ -16,6 +16,10 @@ parameter stored split (ZeRO-3). The rank module runs its forward under
   the view is taken anew. Every saved use of one gathered tensor shares one
   rebuild, as the cost model counts one per redistribution.
 
+A collective matmul whose matmuls are the gathered tensor's only readers
+saves the shard itself and gathers it again in the ring of its backward
+(`autotp.lower.collective_matmul`), behind the matmuls' backward.
+
 Every rank saves and unpacks the same tensors in the same order (the same
 program), so the gathers in backward match across ranks. Inside a
 recomputed layer the checkpoint's own hooks take over: `recompute_layers`

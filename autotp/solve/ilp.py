@@ -313,7 +313,10 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     ``reduce=False`` skips dead-end elimination (`autotp.solve.reduce`): the
     same optimum from a larger ILP, for tests and comparisons. A memory limit
     that the fastest plan meets changes nothing, so the knapsack row is added
-    only when that plan does not fit (then a second solve, under the limit).
+    only when that plan does not fit (then a second solve, under the limit);
+    when the LP relaxation's rounded plan is well over the limit, the fastest
+    plan is taken not to fit unsolved (the solve under the limit finds the
+    same optimum either way, only ``limited`` may then be True needlessly).
     Raises `MemoryInfeasible` carrying the least-memory plan when nothing fits,
     and `NoBetterPlan` when the fastest plan, limit or not, is no faster than
     ``beat_s`` (a plan found another way: the limited solve is not needed),
@@ -321,17 +324,37 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     """
     solver = backends.resolve(solver)
     lp, x = _model(problem, "time", None, reduce)
-    if beat_s is not None and time_limit_s is None:  # the LP relaxation bounds the fastest plan from below,
-        # at a fraction of the MIP's time (its values would spoil a time-limited solve's warm start)
+    relaxed = None
+    if (beat_s is not None or memory_limit_bytes is not None) and time_limit_s is None:
+        # the LP relaxation bounds the fastest plan from below, at a fraction of the MIP's time (its values
+        # would spoil a time-limited solve's warm start), and its rounding says whether memory likely binds
         bound = lp_relaxation_bound(lp)
-        if bound is not None and bound / _SCALE >= beat_s * (1 + _BOUND_MARGIN):
+        if beat_s is not None and bound is not None and bound / _SCALE >= beat_s * (1 + _BOUND_MARGIN):
             raise NoBetterPlan(f"at least {bound / _SCALE:.6g} s (LP relaxation) >= {beat_s:.6g} s")
+        relaxed = _rounded(x) if bound is not None else None
+    if relaxed is not None and memory_bytes(problem, relaxed) > memory_limit_bytes * (1 + _ROUNDED_MARGIN):
+        return _limited_or_raise(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s, 0.0)
     free = _run(lp, x, time_limit_s, solver)
     if beat_s is not None and free.status == "Optimal" and free.objective_s / _SCALE >= beat_s:
         raise NoBetterPlan(f"{free.objective_s / _SCALE:.6g} s >= {beat_s:.6g} s")
     if memory_limit_bytes is None or (free.status == "Optimal"
                                       and memory_bytes(problem, free.choice, free.recompute) <= memory_limit_bytes):
         return _finish(free, time_limit_s)
+    return _limited_or_raise(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s, free.solve_s)
+
+
+_ROUNDED_MARGIN = 0.05  # a rounded relaxation this far over the limit: the fastest plan almost surely does not fit
+
+
+def _rounded(x: dict) -> dict[str, int]:
+    """Each group's choice of largest value in a solved LP relaxation (the relaxation is nearly integral here:
+    within 0.1% of the integer optimum on Llama-2-70B), as a cheap guess at the fastest plan."""
+    return {name: max(xs, key=lambda c: xs[c].value() or 0.0) for name, xs in x.items() if name != _RECOMPUTE}
+
+
+def _limited_or_raise(problem: Problem, memory_limit_bytes: float, reduce: bool, time_limit_s, solver: str,
+                      beat_s: float | None, earlier_s: float) -> Solution:
+    """The fastest plan under the limit (`_limited`), or the error that says there is none."""
     solution = _limited(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s)
     if solution.status == "Beaten":
         raise NoBetterPlan(f"under the memory limit no faster than {beat_s:.6g} s", unlimited=False)
@@ -345,7 +368,7 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
         # a CBC stopped by its time limit can call a feasible problem infeasible: report the limit instead
         solution = Solution({}, math.inf, solution.variables, solution.constraints, solution.solve_s, "Not Solved",
                             solver=solver)
-    return replace(_finish(solution, time_limit_s, free.solve_s), limited=True)
+    return replace(_finish(solution, time_limit_s, earlier_s), limited=True)
 
 
 def _effective(problem: Problem, solution: Solution) -> Solution:
@@ -371,8 +394,9 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
     the rest skipped once a bound is no faster than the best plan so far, or
     than ``beat_s`` (a plan found another way; when every branch is skipped
     so, the status is ``"Beaten"``). Bounds and order are skipped under a time
-    limit, which solves each set whole. Exact: the branches partition the
-    plans, and a bound never exceeds its branch's optimum.
+    limit, which solves each set whole. A branch whose relaxation is
+    infeasible has no plan, and is not solved. Exact: the branches partition
+    the plans, and a bound never exceeds its branch's optimum.
     """
     branches = []  # (bound, order, kinds, variant, fixed, the set's ILP under the limit or None)
     for kinds in kind_sets(problem):
@@ -384,6 +408,8 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
         for fixed in _branches(model[1]):
             _fix(model[1], fixed)
             bound = lp_relaxation_bound(model[0])
+            if bound is None and model[0].status == pulp.LpStatusInfeasible:
+                continue  # not even fractional choices fit: no plan of this branch does
             branches.append((math.inf if bound is None else bound, len(branches), kinds, variant, fixed, model))
     branches.sort(key=lambda b: b[:2])
     best, spent, last, beaten = None, 0.0, None, False
@@ -402,7 +428,9 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
         elif last.status not in ("Optimal", "Infeasible"):
             return last  # stopped by the time limit, or the solver failed: say so
     if best is None:
-        return Solution({}, math.inf, 0, 0, spent, "Beaten", solver=solver) if beaten else last
+        if beaten or last is None:  # skipped by bounds, or every relaxation infeasible
+            return Solution({}, math.inf, 0, 0, spent, "Beaten" if beaten else "Infeasible", solver=solver)
+        return last
     return replace(_effective(problem, best), solve_s=spent)
 
 

@@ -316,7 +316,8 @@ class _Coster:
         bytes freed if that gathered input is gathered again in backward instead
         (`autotp.solve.regather`), ``(0.0, 0)`` where nothing is kept. ``hidden``: the
         part of ``exposed`` a collective matmul hides (`autotp.cost.collective_matmul`; ``sole``: the
-        producer's output has no other use), still in ``exposed``.
+        producer's output has no other use), still in ``exposed``, and the part of ``regather``'s seconds
+        its ring hides, still in them.
         """
         made = self.problem.strategy(producer, cu)
         src = made.out
@@ -324,11 +325,11 @@ class _Coster:
         meta, dst, grad, axes = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer,
                                            consumer, i, src, strategy)
         if consumer != OUTPUT and self.graph.node(producer).multi_output and src != dst:
-            return None, math.inf, 0.0, 0, _NOTHING, 0.0
+            return None, math.inf, 0.0, 0, _NOTHING, (0.0, 0.0)
         split = made.gradient_slice_axes
         summed = split_gradient_axes(split, src, dst, grad, axes)
         if summed is None:
-            return None, math.inf, 0.0, 0, _NOTHING, 0.0
+            return None, math.inf, 0.0, 0, _NOTHING, (0.0, 0.0)
         deferred = producer in self.deferred
         memo = (src, dst, meta, grad, summed, deferred, split)
         if memo not in self.memo:
@@ -344,10 +345,10 @@ class _Coster:
         kept = kept_use_bytes(made_by, user, i, src, dst, meta, self.mesh, self.training, gathers,
                               self.problem.recomputable)
         freed = regather_saving(made_by, src, meta, self.mesh, kept, gathers)
-        hidden = (hidden_s(lone, made_by, made, user, strategy, i, sole, self.mesh, self.profile,
-                           self.training)
-                  if self.problem.overlap_tp and lone is not None else 0.0)
-        return (dst, grad, axes), exposed, gradient, kept, (again, freed) if freed else _NOTHING, hidden
+        hidden, credit = (hidden_s(lone, made_by, made, user, strategy, i, sole, self.mesh, self.profile,
+                                   self.training, again if freed else 0.0)
+                          if self.problem.overlap_tp and lone is not None else (0.0, 0.0))
+        return (dst, grad, axes), exposed, gradient, kept, (again, freed) if freed else _NOTHING, (hidden, credit)
 
     def gradient_table(self, producer: str, consumer: str, i: int) -> list[list[float]]:
         """The gradient seconds of a deferred use, per pair of choices of its two groups.
@@ -377,6 +378,7 @@ class _Coster:
         regather = self.problem.regathering(self.graph.node(producer))
         index: dict[tuple, int] = {}
         least: dict[int, float] = {}  # per item, the least a collective matmul of any of its uses hides
+        credit: dict[int, float] = {}  # and of its gather run again in backward (nothing if a use is no matmul)
         for consumer, i in arms:
             gv = None if consumer == OUTPUT else self.problem.group_of[consumer]
             nv = 1 if gv is None or gv == gu else self.problem.groups[gv].n
@@ -384,7 +386,7 @@ class _Coster:
             for cu in range(self.problem.groups[gu].n):
                 row = []
                 for cv in ([cu] if gv == gu else range(nv)):
-                    key, exposed, _, kept, (again, freed), hidden = self.use(producer, consumer, i, cu, cv)
+                    key, exposed, _, kept, (again, freed), (hidden, hides) = self.use(producer, consumer, i, cu, cv)
                     if math.isinf(exposed):
                         self._forbid(gu, gv, cu, cv)
                     if key is None or exposed == 0:
@@ -399,6 +401,7 @@ class _Coster:
                         least[index[cu, key]] = count * runs * hidden
                     k = index[cu, key]
                     least[k] = min(least[k], count * runs * hidden)  # whichever use the lowering fuses with
+                    credit[k] = min(credit.get(k, math.inf), count * runs * hides)
                     # one buffer, kept if any use that may share it keeps it
                     fanout.memory_bytes[k] = max(fanout.memory_bytes[k], count * kept)
                     if freed:
@@ -412,6 +415,9 @@ class _Coster:
             for k, hidden in least.items():
                 fanout.cost_s[k] -= hidden
                 self.problem.tp_overlap.set_item(len(self.problem.fanouts), k, hidden)
+                if (len(self.problem.fanouts), k) in regather.items:
+                    seconds, freed = regather.items[len(self.problem.fanouts), k]
+                    regather.items[len(self.problem.fanouts), k] = (seconds - credit[k], freed)
             self.problem.fanouts.append(fanout)
 
     def _table(self, gu: str, gv: str) -> list[list[float]]:
@@ -440,31 +446,32 @@ class _Coster:
         hidden = self.problem.tp_overlap
         if gu == gv:  # both ends are fixed by the same choice
             for c in range(nu):
-                _, exposed, _, kept, (again, freed), overlap = self.use(producer, consumer, i, c, c, sole=True)
+                _, exposed, _, kept, (again, freed), (overlap, hides) = self.use(producer, consumer, i, c, c,
+                                                                                  sole=True)
                 groups[gu].cost_s[c] += count * runs * (exposed - overlap)
                 groups[gu].memory_bytes[c] += count * kept
                 hidden.add_group(groups[gu], c, count * runs * overlap)
                 if freed:
-                    regather.add_group(groups[gu], c, count * runs * again, count * freed)
+                    regather.add_group(groups[gu], c, count * runs * (again - hides), count * freed)
             return
         pairs = [[self.use(producer, consumer, i, cu, cv, sole=True) for cv in range(nv)] for cu in range(nu)]
         if nu == 1 or nv == 1:  # fold into the side that has a choice
             for cu in range(nu):
                 for cv in range(nv):
                     target, c = (groups[gv], cv) if nu == 1 else (groups[gu], cu)
-                    overlap = pairs[cu][cv][5]
+                    overlap, hides = pairs[cu][cv][5]
                     target.cost_s[c] += count * runs * (pairs[cu][cv][1] - overlap)
                     target.memory_bytes[c] += count * pairs[cu][cv][3]
                     hidden.add_group(target, c, count * runs * overlap)
                     again, freed = pairs[cu][cv][4]
                     if freed:
-                        regather.add_group(target, c, count * runs * again, count * freed)
+                        regather.add_group(target, c, count * runs * (again - hides), count * freed)
             return
         table = self._table(gu, gv)
         for cu in range(nu):
             for cv in range(nv):
-                table[cu][cv] += count * runs * (pairs[cu][cv][1] - pairs[cu][cv][5])
-                hidden.add_pair(gu, gv, nu, nv, cu, cv, count * runs * pairs[cu][cv][5])
+                table[cu][cv] += count * runs * (pairs[cu][cv][1] - pairs[cu][cv][5][0])
+                hidden.add_pair(gu, gv, nu, nv, cu, cv, count * runs * pairs[cu][cv][5][0])
         if any(use[3] for row in pairs for use in row):
             memory = self.problem.edge_memory.setdefault((gu, gv), [[0] * nv for _ in range(nu)])
             for cu in range(nu):
@@ -472,4 +479,5 @@ class _Coster:
                     memory[cu][cv] += count * pairs[cu][cv][3]
                     again, freed = pairs[cu][cv][4]
                     if freed:
-                        regather.add_pair(gu, gv, nu, nv, cu, cv, count * runs * again, count * freed)
+                        regather.add_pair(gu, gv, nu, nv, cu, cv, count * runs * (again - pairs[cu][cv][5][1]),
+                                          count * freed)
