@@ -348,8 +348,9 @@ def _fuse_gather(gm, node, module, partial) -> bool:
     if (first is None or not _fusable(first, node, module, partial)
             or _is_collective(gm, node.args[0])):  # one collective is the whole redistribution, as priced
         return False
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
     fused = [first] + [u for u in users if u is not first and _fusable(u, node, module, partial)
-                       and _hoisted(gm, u.args[1:], first)]
+                       and _hoisted(gm, u.args[1:], first, order)]
     name = f"gather_matmul_{first.name}"
     left = [u for u in users if u not in fused]
     gm.add_submodule(name, GatherMatmul(module, [u.target for u in fused], shared=bool(left)))
@@ -383,10 +384,10 @@ def _fusable(user, node, module, partial) -> bool:
 _MOVABLE = (Collective, CollectiveChain)
 
 
-def _hoisted(gm, args, before) -> bool:
+def _hoisted(gm, args, before, order: dict) -> bool:
     """Whether every node in ``args`` is computed before ``before``, moving the collectives that gather a weight
-    (and nothing they read is later) up to it; False, and nothing moved, when one cannot be."""
-    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    (and nothing they read is later) up to it; False, and nothing moved, when one cannot be. ``order``: each
+    node's position in the graph before any move (a moved node only comes earlier, never past ``before``)."""
     late = [a for a in args if isinstance(a, fx.Node) and order[a] > order[before]]
     movable = all(a.op == "call_module" and isinstance(gm.get_submodule(a.target), _MOVABLE)
                   and all(order[i] < order[before] for i in a.all_input_nodes) for a in late)

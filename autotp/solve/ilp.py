@@ -331,7 +331,7 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
         bound = lp_relaxation_bound(lp)
         if beat_s is not None and bound is not None and bound / _SCALE >= beat_s * (1 + _BOUND_MARGIN):
             raise NoBetterPlan(f"at least {bound / _SCALE:.6g} s (LP relaxation) >= {beat_s:.6g} s")
-        relaxed = _rounded(x) if bound is not None else None
+        relaxed = _rounded(x) if bound is not None and memory_limit_bytes is not None else None
     if relaxed is not None and memory_bytes(problem, relaxed) > memory_limit_bytes * (1 + _ROUNDED_MARGIN):
         return _limited_or_raise(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s, 0.0)
     free = _run(lp, x, time_limit_s, solver)
