@@ -58,7 +58,7 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
          bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True, solver: str = "auto",
          replay_layers: bool = True, precision: str = AUTO, optimizer_sharding: bool = True,
          recompute: bool | str = True, micro_batches=AUTO, regather: bool = True, overlap_tp: bool = True,
-         progress: Stages | None = None) -> Plan:
+         progress: Stages | bool | None = None) -> Plan:
     """Choose a placement for every parameter and op of ``model`` on ``mesh``: the fastest step that fits.
 
     ``pin`` fixes parameter placements (``{"fc1.weight": ("S(0)",)}``) and lets
@@ -113,7 +113,7 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
       runs them. ``"auto"`` (training) tries k = 1, 2, ... (divisors of the
       batch) while memory binds and keeps the fastest plan; an int fixes k.
 
-    ``progress`` (an `autotp.progress.Stages`) reports each stage and its time
+    ``progress`` (``True``, or an `autotp.progress.Stages`) reports each stage and its time
     on stderr; by default nothing is printed. ``share_layers`` gives identical
     layers one choice in the ILP, so solve time stays flat as depth grows
     (`autotp.solve.layers`; a restriction: docs/planning.md). ``solver`` is

@@ -43,9 +43,12 @@ class Stages:
             self.stream.flush()
 
 
-def stages_or_silent(progress: Stages | None) -> Stages:
-    """The reporter to use when a caller may pass none: a silent one that still keeps stage times."""
-    return progress if progress is not None else Stages(enabled=False)
+def stages_or_silent(progress: Stages | bool | None) -> Stages:
+    """The reporter to use when a caller may pass none (or a flag): ``True`` reports on stderr; ``None`` or
+    ``False`` gives a silent one that still keeps stage times."""
+    if isinstance(progress, bool) or progress is None:
+        return Stages(enabled=bool(progress))
+    return progress
 
 
 class Progress:
