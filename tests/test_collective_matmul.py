@@ -3,6 +3,8 @@
 * The rule: a matmul runs chunk by chunk of a dim of its first input's rows
   by a whole 2-D weight (``linear``'s and ``matmul``'s leading dims, ``mm``'s
   first), never of the contracted one.
+* One ring for several matmuls (q, k, v) is credited use by use, never more
+  than it hides for any set of the uses, and all of it when all need it.
 * Planning (`DropoutNet` on mesh 4 over NVLink, Megatron's split with
   sequence parallelism, H100 profile): the same plan priced with and without
   ``overlap_tp`` differs by exactly ``predicted["overlap_hidden_s"]``, which
@@ -28,7 +30,7 @@ import pytest
 import torch
 
 import autotp
-from autotp.cost.collective_matmul import splits_rows
+from autotp.cost.collective_matmul import Ring, fused_shares, splits_rows
 from autotp.lower.collective_matmul import GatherMatmul, MatmulScatter
 from autotp.lower.recompute import Recomputed
 from autotp.lower.regather import Regathered
@@ -52,6 +54,29 @@ def test_a_matmul_runs_by_chunks_of_its_rows_never_of_the_contracted_dim():
     assert not splits_rows(aten.matmul.default, 3, 3, 1)  # a batched second input: its rows go with the first's
     assert not splits_rows(aten.bmm.default, 3, 3, 1)
     assert not splits_rows(aten.add.Tensor, 3, 3, 0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_one_rings_credit_use_by_use_never_exceeds_what_it_hides_and_is_all_of_it_when_every_use_needs_it(seed):
+    """q, k and v read one gathered tensor through one ring: each use's credit is a share of its matmul's time,
+    so the ILP can add it pair by pair; whichever uses need the gather, the credits sum to at most
+    ``min(collective, their matmuls)``, forward and backward, with the gather run again (regathered) or not,
+    and to exactly that when all of them do."""
+    gen = torch.Generator().manual_seed(seed)
+    forward, backward, again = (float(v) for v in torch.rand(3, generator=gen))
+    n = 1 + seed % 4
+    ahead, behind = torch.rand(n, generator=gen).tolist(), (torch.rand(n, generator=gen) * 2).tolist()
+    uses = [Ring(forward, a, backward, b, True) for a, b in zip(ahead, behind)]
+    share_f, share_b, share_r = fused_shares(uses, again)
+    for mask in range(1, 2 ** n):
+        subset = [u for k, u in enumerate(uses) if mask >> k & 1]
+        cover_f, cover_b = sum(u.ahead for u in subset), sum(u.behind for u in subset)
+        every = len(subset) == n
+        for credit, bound in ((share_f * cover_f, min(forward, cover_f)), (share_b * cover_b, min(backward, cover_b)),
+                              (share_r * cover_b, min(backward + again, cover_b))):
+            assert credit <= bound * (1 + 1e-12)
+            if every:
+                assert credit == pytest.approx(bound, rel=1e-12)
 
 
 def _pins(mesh) -> dict:

@@ -26,7 +26,8 @@ the matmul runs alone, so each collective is exposed only by what
 `autotp.lower.collective_matmul` runs these forms wherever they are credited
 (and fuses a few uses it is not credited for, never the reverse); one ring
 serves every matmul that reads the gathered tensor (a layer's q, k and v),
-credited as the least of them alone.
+credited use by use so that the credits add up to what the ring hides
+(`fused_shares`).
 
 A gathered input regathered (`autotp.solve.regather`: kept as its shard and
 gathered again in backward) comes round again in the ring of the matmul's
@@ -55,6 +56,8 @@ more than one device, and:
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -94,11 +97,22 @@ def _rows_of(op, dim: int) -> bool:
             and splits_rows(op.target, len(metas[0].shape), len(metas[1].shape), dim))
 
 
-def hidden_s(lone, producer, made, consumer, strategy, i: int, sole_use: bool, mesh, profile,
-             training: bool, again: float = 0.0) -> tuple[float, float]:
-    """The seconds of a use's collectives, forward and backward, that a collective matmul hides, and of
-    ``again`` (its gather run again in backward, regathered) what the same ring hides besides; ``(0, 0)``
-    where none qualifies.
+@dataclass(frozen=True)
+class Ring:
+    """One use's collective matmul: its collective's seconds, forward and backward, and the ``(n - 1) / n`` of
+    its matmul's passes that can hide them (``ahead``, ``behind``); ``gathers``: an all-gather into the
+    matmul, which backward's ring can gather again (a regathered input)."""
+
+    forward: float
+    ahead: float
+    backward: float
+    behind: float
+    gathers: bool
+
+
+def ring(lone, producer, made, consumer, strategy, i: int, sole_use: bool, mesh, profile,
+         training: bool) -> Ring | None:
+    """The `Ring` of a use whose collective a matmul can hide, else None.
 
     ``lone`` is `lone_collective` of the use's steps; ``producer``/``made`` and
     ``consumer``/``strategy`` are the two ops and their strategies (``consumer``
@@ -106,7 +120,7 @@ def hidden_s(lone, producer, made, consumer, strategy, i: int, sole_use: bool, m
     other use.
     """
     if lone is None:
-        return 0.0, 0.0
+        return None
     step, forward, backward = lone
     gathers = (step.forward_kind == ALL_GATHER and consumer is not None and i == 0
                and _rows_of(consumer, step.dim) and not any(isinstance(p, Partial) for p in strategy.out))
@@ -115,9 +129,39 @@ def hidden_s(lone, producer, made, consumer, strategy, i: int, sole_use: bool, m
     elif step.kind == REDUCE_SCATTER and sole_use and _rows_of(producer, step.dim):
         matmul, chosen = producer, made
     else:
-        return 0.0, 0.0
+        return None
     share = (mesh.shape[step.axis] - 1) / mesh.shape[step.axis]
-    ahead = share * forward_time_s(matmul, chosen, mesh, profile)
-    behind = share * backward_time_s(matmul, chosen, mesh, profile, training)
-    hidden = min(forward, ahead) + min(backward, behind)
-    return hidden, (min(backward + again, behind) - min(backward, behind)) if gathers else 0.0
+    return Ring(forward, share * forward_time_s(matmul, chosen, mesh, profile), backward,
+                share * backward_time_s(matmul, chosen, mesh, profile, training), gathers)
+
+
+def hidden_s(use: Ring | None, again: float = 0.0) -> tuple[float, float]:
+    """The seconds of a use's collectives, forward and backward, that its collective matmul hides, and of
+    ``again`` (its gather run again in backward, regathered) what the same ring hides besides; ``(0, 0)``
+    where none serves it."""
+    if use is None:
+        return 0.0, 0.0
+    hidden = min(use.forward, use.ahead) + min(use.backward, use.behind)
+    extra = min(use.backward + again, use.behind) - min(use.backward, use.behind) if use.gathers else 0.0
+    return hidden, extra
+
+
+def fused_shares(uses: list[Ring], again: float = 0.0) -> tuple[float, float, float]:
+    """The fractions of each use's ``ahead``, ``behind`` and (regathered) ``behind`` to credit when one ring
+    serves several uses of a gathered tensor (q, k and v), whichever of them turn out to need it.
+
+    ``uses``: per use, its largest `Ring` over the choices that need this
+    gather. The ring hides ``min(collective, sum of the needing uses' matmul
+    time)``; crediting each use ``ahead * min(1, forward / sum of ahead)``
+    never exceeds that for any subset of the uses (each term is at most its own
+    ``ahead``, and all of them together at most ``forward``), and equals it
+    when every use needs the gather, so the credit adds up use by use, as the
+    ILP's pieces do.
+    """
+    forward, backward = max(u.forward for u in uses), max(u.backward for u in uses)
+    ahead, behind = sum(u.ahead for u in uses), sum(u.behind for u in uses)
+
+    def share(collective: float, cover: float) -> float:
+        return min(1.0, collective / cover) if cover > 0 else 0.0
+
+    return share(forward, ahead), share(backward, behind), share(backward + again, behind)

@@ -34,7 +34,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from autotp.cost.collective_matmul import hidden_s
+from autotp.cost.collective_matmul import Ring, fused_shares, hidden_s, ring
 from autotp.cost.comm import DEFAULT_BUCKET_BYTES, gradient_slice_time_s, inner_time_s, optimizer_time_s
 from autotp.cost.compute import compute_time_s
 from autotp.cost.memory import AUTO, kept_use_bytes, node_memory_bytes, regather_saving
@@ -306,7 +306,7 @@ class _Coster:
         return self.training and self.overlap and bool(self.graph.consumers(op.name))
 
     def use(self, producer: str, consumer: str, i: int, cu: int, cv: int, sole: bool = False) -> tuple:
-        """``(target key, exposed, gradient, kept, regather, hidden)`` of one use for one pair of choices.
+        """``(target key, exposed, gradient, kept, regather, ring)`` of one use for one pair of choices.
 
         The key is what the lowering shares a redistribution by (`use_target`).
         ``None`` with infinite time: the pair cannot be (the pieces of a split
@@ -314,10 +314,10 @@ class _Coster:
         alive until backward (`kept_use_bytes`: a sum's result, an all-gathered
         input the consumer's backward reads). ``regather``: the seconds and the
         bytes freed if that gathered input is gathered again in backward instead
-        (`autotp.solve.regather`), ``(0.0, 0)`` where nothing is kept. ``hidden``: the
-        part of ``exposed`` a collective matmul hides (`autotp.cost.collective_matmul`; ``sole``: the
-        producer's output has no other use), still in ``exposed``, and the part of ``regather``'s seconds
-        its ring hides, still in them.
+        (`autotp.solve.regather`), ``(0.0, 0)`` where nothing is kept. ``ring``: the collective matmul
+        that can hide part of ``exposed`` (and of ``regather``'s seconds), or None
+        (`autotp.cost.collective_matmul`; ``sole``: the producer's output has no other use); what it hides
+        is still in both.
         """
         made = self.problem.strategy(producer, cu)
         src = made.out
@@ -325,11 +325,11 @@ class _Coster:
         meta, dst, grad, axes = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer,
                                            consumer, i, src, strategy)
         if consumer != OUTPUT and self.graph.node(producer).multi_output and src != dst:
-            return None, math.inf, 0.0, 0, _NOTHING, (0.0, 0.0)
+            return None, math.inf, 0.0, 0, _NOTHING, None
         split = made.gradient_slice_axes
         summed = split_gradient_axes(split, src, dst, grad, axes)
         if summed is None:
-            return None, math.inf, 0.0, 0, _NOTHING, (0.0, 0.0)
+            return None, math.inf, 0.0, 0, _NOTHING, None
         deferred = producer in self.deferred
         memo = (src, dst, meta, grad, summed, deferred, split)
         if memo not in self.memo:
@@ -345,10 +345,9 @@ class _Coster:
         kept = kept_use_bytes(made_by, user, i, src, dst, meta, self.mesh, self.training, gathers,
                               self.problem.recomputable)
         freed = regather_saving(made_by, src, meta, self.mesh, kept, gathers)
-        hidden, credit = (hidden_s(lone, made_by, made, user, strategy, i, sole, self.mesh, self.profile,
-                                   self.training, again if freed else 0.0)
-                          if self.problem.overlap_tp and lone is not None else (0.0, 0.0))
-        return (dst, grad, axes), exposed, gradient, kept, (again, freed) if freed else _NOTHING, (hidden, credit)
+        served = (ring(lone, made_by, made, user, strategy, i, sole, self.mesh, self.profile, self.training)
+                  if self.problem.overlap_tp else None)
+        return (dst, grad, axes), exposed, gradient, kept, (again, freed) if freed else _NOTHING, served
 
     def gradient_table(self, producer: str, consumer: str, i: int) -> list[list[float]]:
         """The gradient seconds of a deferred use, per pair of choices of its two groups.
@@ -375,18 +374,20 @@ class _Coster:
             return
         gu = self.problem.group_of[producer]
         fanout = FanOut(gu, [], [], [])
+        f = len(self.problem.fanouts)
         regather = self.problem.regathering(self.graph.node(producer))
         index: dict[tuple, int] = {}
-        least: dict[int, float] = {}  # per item, the least a collective matmul of any of its uses hides
-        credit: dict[int, float] = {}  # and of its gather run again in backward (nothing if a use is no matmul)
-        for consumer, i in arms:
+        rings: dict[int, dict[int, list]] = {}  # per item, per use: (consumer, cu, cv, ring) of each pair needing it
+        plain: set[int] = set()  # items a use of which no collective matmul serves: the lowering may fuse none
+        again_of: dict[int, float] = {}
+        for a, (consumer, i) in enumerate(arms):
             gv = None if consumer == OUTPUT else self.problem.group_of[consumer]
             nv = 1 if gv is None or gv == gu else self.problem.groups[gv].n
             items = []
             for cu in range(self.problem.groups[gu].n):
                 row = []
                 for cv in ([cu] if gv == gu else range(nv)):
-                    key, exposed, _, kept, (again, freed), (hidden, hides) = self.use(producer, consumer, i, cu, cv)
+                    key, exposed, _, kept, (again, freed), served = self.use(producer, consumer, i, cu, cv)
                     if math.isinf(exposed):
                         self._forbid(gu, gv, cu, cv)
                     if key is None or exposed == 0:
@@ -398,27 +399,56 @@ class _Coster:
                         made = self.problem.strategy(producer, cu)
                         fanout.ident.append((made.out, made.gradient_slice_axes, key))
                         fanout.memory_bytes.append(0)
-                        least[index[cu, key]] = count * runs * hidden
                     k = index[cu, key]
-                    least[k] = min(least[k], count * runs * hidden)  # whichever use the lowering fuses with
-                    credit[k] = min(credit.get(k, math.inf), count * runs * hides)
+                    if served is None:
+                        plain.add(k)
+                    else:
+                        rings.setdefault(k, {}).setdefault(a, []).append((gv, cu, cv, served))
                     # one buffer, kept if any use that may share it keeps it
                     fanout.memory_bytes[k] = max(fanout.memory_bytes[k], count * kept)
                     if freed:
-                        regather.add_item(len(self.problem.fanouts), k, count * runs * again, count * freed)
+                        regather.add_item(f, k, count * runs * again, count * freed)
+                        again_of[k] = max(again_of.get(k, 0.0), again)
                     row.append(k)
                 items.append(row)
             fanout.arms.append(Arm(gv, items))
             if gv is not None and gv != gu and self.problem.groups[gu].n > 1 and nv > 1:
                 self._table(gu, gv)  # the pair variables that link the item to both choices
         if fanout.cost_s:
-            for k, hidden in least.items():
-                fanout.cost_s[k] -= hidden
-                self.problem.tp_overlap.set_item(len(self.problem.fanouts), k, hidden)
-                if (len(self.problem.fanouts), k) in regather.items:
-                    seconds, freed = regather.items[len(self.problem.fanouts), k]
-                    regather.items[len(self.problem.fanouts), k] = (seconds - credit[k], freed)
+            for k, by_use in rings.items():
+                if k not in plain:
+                    self._credit_fused(gu, regather, by_use, again_of.get(k, 0.0), count * runs)
             self.problem.fanouts.append(fanout)
+
+    @staticmethod
+    def _credited(use: tuple) -> tuple:
+        """A use's tuple with its ring replaced by ``(hidden, regather hidden)`` (`hidden_s`)."""
+        return (*use[:5], hidden_s(use[5], use[4][0]))
+
+    def _credit_fused(self, gu: str, regather, by_use: dict[int, list], again: float, times: int) -> None:
+        """Credit one fan-out item's ring use by use (`fused_shares`): each pair of choices that needs the
+        gather is credited its matmul's share, on the piece the pair lives on (its producer's or consumer's
+        choice, or the edge's pair: as `_use_indicator` in `autotp.solve.ilp` reads it)."""
+        widest = [Ring(uses[0][3].forward, max(u[3].ahead for u in uses), uses[0][3].backward,
+                       max(u[3].behind for u in uses), True) for uses in by_use.values()]
+        ahead, behind, again_behind = fused_shares(widest, again)
+        groups, hidden = self.problem.groups, self.problem.tp_overlap
+        for uses in by_use.values():
+            for gv, cu, cv, served in uses:
+                seconds = times * (served.ahead * ahead + served.behind * behind)
+                extra = times * served.behind * (again_behind - behind)
+                if gv is None or gv == gu or groups[gv].n == 1 or groups[gu].n == 1:
+                    one = gv is None or gv == gu or groups[gv].n == 1
+                    target, c = (groups[gu], cu) if one else (groups[gv], cv)
+                    target.cost_s[c] -= seconds
+                    hidden.add_group(target, c, seconds)
+                    if extra:
+                        regather.add_group(target, c, -extra, 0)
+                else:
+                    self._table(gu, gv)[cu][cv] -= seconds
+                    hidden.add_pair(gu, gv, groups[gu].n, groups[gv].n, cu, cv, seconds)
+                    if extra:
+                        regather.add_pair(gu, gv, groups[gu].n, groups[gv].n, cu, cv, -extra, 0)
 
     def _table(self, gu: str, gv: str) -> list[list[float]]:
         edges = self.problem.edges
@@ -446,15 +476,16 @@ class _Coster:
         hidden = self.problem.tp_overlap
         if gu == gv:  # both ends are fixed by the same choice
             for c in range(nu):
-                _, exposed, _, kept, (again, freed), (overlap, hides) = self.use(producer, consumer, i, c, c,
-                                                                                  sole=True)
+                _, exposed, _, kept, (again, freed), served = self.use(producer, consumer, i, c, c, sole=True)
+                overlap, hides = hidden_s(served, again)
                 groups[gu].cost_s[c] += count * runs * (exposed - overlap)
                 groups[gu].memory_bytes[c] += count * kept
                 hidden.add_group(groups[gu], c, count * runs * overlap)
                 if freed:
                     regather.add_group(groups[gu], c, count * runs * (again - hides), count * freed)
             return
-        pairs = [[self.use(producer, consumer, i, cu, cv, sole=True) for cv in range(nv)] for cu in range(nu)]
+        pairs = [[self._credited(self.use(producer, consumer, i, cu, cv, sole=True)) for cv in range(nv)]
+                 for cu in range(nu)]
         if nu == 1 or nv == 1:  # fold into the side that has a choice
             for cu in range(nu):
                 for cv in range(nv):

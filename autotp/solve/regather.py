@@ -95,7 +95,8 @@ def folded(problem, kinds):
                                     memory_bytes=[m - b for m, b in zip(group.memory_bytes, freed)])
         for e, (seconds, freed) in r.edges.items():
             out.edges[e] = [[c + s for c, s in zip(*rows)] for rows in zip(out.edges[e], seconds)]
-            out.edge_memory[e] = [[m - b for m, b in zip(*rows)] for rows in zip(out.edge_memory[e], freed)]
+            if any(any(row) for row in freed):  # a ring's credit alone frees nothing
+                out.edge_memory[e] = [[m - b for m, b in zip(*rows)] for rows in zip(out.edge_memory[e], freed)]
         for (f, k), (seconds, freed) in r.items.items():
             fanout = out.fanouts[f] = replace(out.fanouts[f], cost_s=list(out.fanouts[f].cost_s),
                                               memory_bytes=list(out.fanouts[f].memory_bytes))

@@ -93,8 +93,5 @@ def matmul_hidden_s(problem: Problem, choice: dict[str, int]) -> float:
     its step time (`autotp.solve.tp_overlap`): reported, so that compute plus collectives less all that is hidden
     adds up."""
     hidden = problem.tp_overlap
-    seconds = sum(values[choice[g]] for g, values in hidden.groups.items())
-    seconds += sum(table[choice[u]][choice[v]] for (u, v), table in hidden.edges.items())
-    for f, fanout in enumerate(problem.fanouts):
-        seconds += sum(hidden.items.get((f, k), 0.0) for k in used_items(fanout, choice))
-    return seconds
+    return (sum(values[choice[g]] for g, values in hidden.groups.items())
+            + sum(table[choice[u]][choice[v]] for (u, v), table in hidden.edges.items()))
