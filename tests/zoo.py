@@ -35,4 +35,7 @@ class Zoo(nn.Module):
         var, mean = torch.var_mean(y, dim=1)                 # (4, 12)
         picked = torch.where(y > 0, y, y * 0.5).argmax(-1)   # (4, 6) int64
         stats = top.sum(-1) + y.cumsum(1).amax(-1) + torch.logsumexp(y, dim=-1)  # (4, 6)
-        return (g.sum(dim=1), torch.sum(e), h, pooled, stats, row_max + var + mean, top_idx, row_idx, picked)
+        # rounded divisions are not linear in the numerator: a partial sum may not pass through them
+        rounded = torch.div(y, 0.3, rounding_mode="floor") + torch.div(y, self.scale, rounding_mode="trunc")
+        return (g.sum(dim=1), torch.sum(e), h, pooled, stats, row_max + var + mean, top_idx, row_idx, picked,
+                rounded)

@@ -58,6 +58,9 @@ def mul_rule(op):
 
 
 def div_rule(op):
-    """div: linear in the numerator only."""
+    """div: linear in the numerator only, and not at all when rounded (``rounding_mode`` floor or trunc:
+    ``floor(a / c) + floor(b / c)`` is not ``floor((a + b) / c)``)."""
+    if op.kwargs.get("rounding_mode") is not None:
+        return broadcast_options(op)
     return broadcast_options(op) + _partial_first(op)
 
