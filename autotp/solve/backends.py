@@ -62,13 +62,19 @@ def command(name: str, time_limit_s: float | None):
                              options=["feas off"])
 
 
-def lp_command(time_limit_s: float | None):
+def lp_command(time_limit_s: float | None, interior: bool = False):
     """The solver of an LP relaxation (integrality dropped): HiGHS's simplex when installed, else CBC's.
 
     HiGHS is the robust one: CBC's simplex has been seen to run for over twenty
     minutes on a relaxation HiGHS solves in seconds (Llama-2-70B at batch 64).
     Without presolve, which costs more than it saves on these LPs (above).
+    ``interior``: HiGHS's interior-point method instead, without crossover (the
+    optimum's value is all a bound needs), which settles in seconds the
+    relaxations the simplex takes minutes over (an infeasible one, in phase 1).
     """
+    if highs_available() and interior:
+        return _QuietHiGHS(mip=False, msg=False, timeLimit=time_limit_s, threads=1, solver="ipm",
+                           run_crossover="off")
     if highs_available():
         return _QuietHiGHS(mip=False, msg=False, timeLimit=time_limit_s, threads=1, presolve="off")
     return pulp.PULP_CBC_CMD(msg=False, mip=False, timeLimit=time_limit_s, threads=1)

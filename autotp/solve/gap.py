@@ -21,6 +21,7 @@ and presolving after 0.2 s). Three pieces make the limit useful:
 from __future__ import annotations
 
 import math
+import time
 import warnings
 
 import pulp
@@ -28,6 +29,8 @@ import pulp
 from autotp.errors import SolverGapWarning
 
 LP_MIN_LIMIT_S = 10.0  # the relaxation is one LP, far cheaper than the integer search it bounds
+# HiGHS's simplex settles most relaxations here in a second or two, but can spend minutes proving one infeasible
+SIMPLEX_FIRST_S = 10.0
 
 
 def replicated_choices(problem) -> dict[str, int]:
@@ -104,16 +107,26 @@ def lp_relaxation_bound(lp: pulp.LpProblem, time_limit_s: float | None = None) -
 
     Solving overwrites the variables' values: read the integer incumbent first.
     Only an optimal LP value is a bound (a simplex stopped early is not), so
-    anything else returns None. The LP gets its own limit, at least
-    `LP_MIN_LIMIT_S`: a limit too small for the solver to read the problem
-    would leave every gap unknown. HiGHS solves it when installed, else CBC
-    (`autotp.solve.backends.lp_command`).
+    anything else returns None (``lp.status`` then says whether it is
+    infeasible). The LP gets its own limit, at least `LP_MIN_LIMIT_S`: a limit
+    too small for the solver to read the problem would leave every gap
+    unknown. HiGHS solves it when installed, else CBC
+    (`autotp.solve.backends.lp_command`): its simplex for `SIMPLEX_FIRST_S`
+    (a second or two on most), then, if that did not settle it, its interior
+    point method for the rest of the limit.
     """
     if time_limit_s is not None:
         time_limit_s = max(time_limit_s, LP_MIN_LIMIT_S)
-    from autotp.solve.backends import lp_command  # backends imports this module
+    from autotp.solve.backends import highs_available, lp_command  # backends imports this module
 
-    lp.solve(lp_command(time_limit_s))
+    first = SIMPLEX_FIRST_S if time_limit_s is None else min(time_limit_s, SIMPLEX_FIRST_S)
+    started = time.perf_counter()
+    lp.solve(lp_command(first if highs_available() else time_limit_s))
+    if (lp.sol_status != pulp.LpSolutionOptimal and lp.status != pulp.LpStatusInfeasible and highs_available()
+            and (time_limit_s is None or time_limit_s > first)):
+        rest = None if time_limit_s is None else time_limit_s - (time.perf_counter() - started)
+        if rest is None or rest > 0:
+            lp.solve(lp_command(rest, interior=True))
     if lp.sol_status != pulp.LpSolutionOptimal:  # pulp calls "stopped on time with a value" Optimal too
         return None
     return pulp.value(lp.objective) or 0.0
