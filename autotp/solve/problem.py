@@ -437,9 +437,9 @@ class _Coster:
             for gv, cu, cv, served in uses:
                 seconds = times * (served.ahead * ahead + served.behind * behind)
                 extra = times * served.behind * (again_behind - behind)
-                if gv is None or gv == gu or groups[gv].n == 1 or groups[gu].n == 1:
-                    one = gv is None or gv == gu or groups[gv].n == 1
-                    target, c = (groups[gu], cu) if one else (groups[gv], cv)
+                by_producer = gv is None or gv == gu or groups[gv].n == 1
+                if by_producer or groups[gu].n == 1:
+                    target, c = (groups[gu], cu) if by_producer else (groups[gv], cv)
                     target.cost_s[c] -= seconds
                     hidden.add_group(target, c, seconds)
                     if extra:
