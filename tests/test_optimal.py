@@ -29,7 +29,7 @@ LLAMA_512 = ModelSpec("hf:llama", {"num_hidden_layers": 4, "hidden_size": 512, "
 MISTRAL_1K = ModelSpec("hf:mistral", {"num_hidden_layers": 4, "hidden_size": 1024, "num_attention_heads": 16,
                                       "num_key_value_heads": 4, "intermediate_size": 2816, "vocab_size": 32000}, 8, 128)
 GPT2 = ModelSpec("hf:gpt2", {"n_layer": 4, "n_embd": 256, "n_head": 8, "vocab_size": 8192}, 8, 64)
-LLAMA_DEEP = ModelSpec("hf:llama", {"num_hidden_layers": 6, "hidden_size": 256, "num_attention_heads": 8,
+LLAMA_DEEP = ModelSpec("hf:llama", {"num_hidden_layers": 5, "hidden_size": 256, "num_attention_heads": 8,
                                     "num_key_value_heads": 2, "intermediate_size": 688, "vocab_size": 4096}, 4, 64)
 
 CASES = [  # (model, mesh, links, profile)
@@ -102,7 +102,7 @@ def test_layer_sharing_and_replay_keep_the_optimum(mesh, links):
                                           replay_layers=replay)
              for share, replay in ((True, True), (False, True), (True, False))}
     best = plans[True, True].predicted["objective_s"]
-    assert plans[True, True].stats["capture"]["replayed"]  # 6 layers: traced 4 deep, the rest replayed
-    assert plans[True, True].ilp["shared_layers"] == 6
+    assert plans[True, True].stats["capture"]["replayed"]  # 5 layers: traced 4 deep, the fifth replayed
+    assert plans[True, True].ilp["shared_layers"] == 5
     for key, p in plans.items():
         assert p.predicted["objective_s"] == pytest.approx(best, rel=1e-9), key
