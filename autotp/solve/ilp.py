@@ -410,7 +410,8 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
             bound = lp_relaxation_bound(model[0])
             if bound is None and model[0].status == pulp.LpStatusInfeasible:
                 continue  # not even fractional choices fit: no plan of this branch does
-            branches.append((math.inf if bound is None else bound, len(branches), kinds, variant, fixed, model))
+            # an unknown bound (the LP solver gave up) proves nothing: the branch is solved, first
+            branches.append((-math.inf if bound is None else bound, len(branches), kinds, variant, fixed, model))
     branches.sort(key=lambda b: b[:2])
     best, spent, last, beaten = None, 0.0, None, False
     cutoff = beat_s * _SCALE if beat_s is not None else None
