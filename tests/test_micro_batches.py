@@ -13,7 +13,9 @@
   and gradients split: ZeRO-2): every gradient matches the single device's on the whole batch,
   and three AdamW steps give its losses, to 1e-5. ZeRO-2's gradients are
   reduce-scattered after every micro-batch and only their slices accumulate
-  (no whole gradient outlives a backward pass); the others are summed once.
+  (no whole gradient outlives a backward pass); the others are summed once,
+  and accumulate in their buckets (``.grad`` a view of the bucket, as DDP's
+  ``gradient_as_bucket_view``), so the gradients are never held twice.
 """
 
 from __future__ import annotations
@@ -111,10 +113,16 @@ def _run(rank, world, plans):
             micro = [t[:BATCH // plan.micro_batches] for t in inputs]
             local(*micro).backward()
         sliced = [p for b in buckets if b.slices > 1 for p in (e.param for e in b.entries)]
+        # the others' partial gradients accumulate in their bucket's slots: .grad is a view, not a second copy
+        held = [(p, b) for b in buckets if b.slices == 1 for p in (e.param for e in b.entries)]
+        in_bucket = sum(p.grad is not None and b.data is not None
+                        and p.grad.untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr()
+                        for p, b in held)
         whole_left = sum(p.grad is not None for p in sliced)
         slices_held = sum(getattr(p, "autotp_gradient_slice", None) is not None for p in sliced)
         out[name] = {"gradient": gradient, "losses": losses, "calls": calls, "sums": sums, "sliced_sums": sliced_sums,
                      "sliced": len(sliced), "whole_left": whole_left, "slices_held": slices_held,
+                     "held": len(held), "in_bucket": in_bucket,
                      "split": len(local.autotp_optimizer_shards),
                      "recomputed": recomputed_stretches(local)}
     return out
@@ -144,5 +152,7 @@ def test_a_step_of_micro_batches_matches_the_whole_batch_on_one_device(results):
             assert e["sums"] + e["sliced_sums"] > 0, name
             assert e["calls"] == k * in_graph + e["sums"] + k * e["sliced_sums"], (name, e, in_graph)
             assert e["whole_left"] == 0 and e["slices_held"] == e["sliced"], name
+            assert e["in_bucket"] == e["held"], name  # a no_sync pass's gradients live in the buckets only
+        assert by_plan["data_parallel"]["held"] > 0
         assert by_plan["combined"]["split"] > 0 and by_plan["combined"]["recomputed"] >= 2
         assert by_plan["combined"]["sliced"] > 0

@@ -31,10 +31,12 @@ at the end of the backward pass, bucket by bucket.
 
 Micro-batches (`autotp.runtime.accumulate`): inside ``no_sync()`` a backward
 pass sums nothing but the ZeRO-2 gradients (below); each other parameter's
-partial gradient accumulates in ``.grad`` as autograd leaves it (as DDP's
-``no_sync``). The first backward pass after it copies the accumulated
-partial gradient into the bucket with the new one, so the sum over ranks is
-taken once, of every micro-batch's. Gradients must be zero (``None``) when
+partial gradient accumulates in ``.grad`` (as DDP's ``no_sync``), which is a
+view of its slot in its bucket from the first such pass on (DDP's
+``gradient_as_bucket_view``). The first backward pass after it adds the new
+partial gradient into that slot, so the sum over ranks is taken once, of
+every micro-batch's, and the accumulated gradients are never held twice
+(a bucket and ``.grad`` beside it). Gradients must be zero (``None``) when
 the first ``no_sync`` pass starts. A ZeRO-2 gradient is summed in every
 pass instead, so its whole gradient never outlives one backward pass: its
 slices accumulate (DeepSpeed's ZeRO-2), at the price of one reduce-scatter
@@ -130,17 +132,25 @@ class _Bucket:
         """Member ``index``'s ``n`` slices in a buffer laid out by device: an ``(n, slice)`` view."""
         return data.view(self.slices, -1)[:, self.offsets[index]:self.offsets[index + 1]]
 
-    def add(self, index: int, grad: torch.Tensor) -> bool:
-        """Copy a member's arriving gradient in; True when its parameter already holds a ``.grad``."""
+    def slot(self, index: int) -> torch.Tensor:
+        """Member ``index``'s whole gradient in the buffer (one slice per member: no ZeRO-2), allocated with it."""
         if self.data is None:
             self.data = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        return self.data[self.offsets[index]:self.offsets[index + 1]]
+
+    def add(self, index: int, grad: torch.Tensor, onto: bool = False) -> bool:
+        """Copy a member's arriving gradient in (``onto``: add it to what its slot holds, the partial gradients
+        of ``no_sync`` passes); True when its parameter already holds a ``.grad``."""
         flat = grad.reshape(-1)
         if self.slices > 1:
+            self.slot(index)
             whole = self._by_device(self.data, index)
             flat = torch.nn.functional.pad(flat, (0, whole.numel() - flat.numel()))
             whole.copy_(flat.view(self.slices, -1))
+        elif onto:
+            self.slot(index).add_(flat)
         else:
-            self.data[self.offsets[index]:self.offsets[index + 1]].copy_(flat)
+            self.slot(index).copy_(flat)
         self.arrived.add(index)
         if self.entries[index].param.grad is not None:
             self.accumulate.add(index)
@@ -265,6 +275,11 @@ class GradientReducer:
             self._place[j] = (bucket, k)
         return bucket
 
+    def _ensure_buckets(self) -> None:
+        """Buckets for the members' dtypes and devices as they are now: formed again when one changed."""
+        if self._layout != tuple((e.param.dtype, e.param.device) for e in self.entries):
+            self._form_buckets()
+
     @contextmanager
     def no_sync(self):
         """Backward passes inside accumulate partial gradients in ``.grad``; the next one outside sums them all."""
@@ -284,10 +299,18 @@ class GradientReducer:
         return hook
 
     def _hold(self, i: int, grad: torch.Tensor) -> None:
-        """A no_sync pass: autograd accumulates the partial gradient into ``.grad`` itself."""
-        if i not in self._unsynced and self.entries[i].param.grad is not None:
+        """A no_sync pass: autograd accumulates the partial gradient into ``.grad``, a view of the parameter's
+        slot in its bucket (DDP's ``gradient_as_bucket_view``), so the pass that sums finds it in place and
+        the gradients are never held twice."""
+        if i in self._unsynced:
+            return None
+        param = self.entries[i].param
+        if param.grad is not None:
             raise RuntimeError("gradients must be zero before accumulating micro-batches without a sum: call "
                                "optimizer.zero_grad() (or set .grad to None) before the first no_sync pass")
+        self._ensure_buckets()
+        bucket, k = self._place[i]
+        param.grad = bucket.slot(k).view_as(param)  # zeros: autograd adds this gradient into it, in place
         self._unsynced.add(i)
         return None
 
@@ -304,16 +327,15 @@ class GradientReducer:
         """A gradient arrived: into its bucket; a full bucket starts, and older sums of several steps move on."""
         task = torch._C._current_graph_task_id()
         if task != self._task:  # the first gradient of this backward pass
-            if self._layout != tuple((e.param.dtype, e.param.device) for e in self.entries):
-                self._form_buckets()
+            self._ensure_buckets()
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self._task, self._started = task, []
         bucket, k = self._place[i]
-        if i in self._unsynced:  # the partial gradients of earlier micro-batches join this one's in the sum
+        held = i in self._unsynced  # earlier micro-batches' partial gradients, in the slot: this one joins them
+        if held:
             self._unsynced.discard(i)
-            param = self.entries[i].param
-            grad, param.grad = grad.detach() + param.grad, None
-        accumulating = bucket.add(k, grad.detach())
+            self.entries[i].param.grad = None  # the slot's view; the sum takes its place when backward ends
+        accumulating = bucket.add(k, grad.detach(), onto=held)
         if bucket.full and not bucket.started:
             for older in self._started:
                 if older.step < len(older.unit) - 1:  # a step is left after the running one
