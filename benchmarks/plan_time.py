@@ -1,7 +1,7 @@
 """How long planning takes, stage by stage (HiGHS by default; ``--solvers highs,cbc`` adds CBC).
 
 Per model and mesh: capture (torch.export + operator graph), strategy
-enumeration, costing (building the ILP's cost tables), ILP build (pulp model),
+enumeration, costing (building the ILP's cost tables), ILP build (the model's arrays),
 and the solve itself; then the ILP's size. Every row plans from scratch on
 the meta device, without a memory limit (the 70B plans do not fit 80 GB with
 Adam's state replicated: benchmarks/big_plans.py).

@@ -9,7 +9,7 @@ and presolving after 0.2 s). Three pieces make the limit useful:
   fixed, and handed to CBC (``warmStart``) or HiGHS (``setSolution``). That
   plan always exists for an unconstrained model, so a solver stopped at any
   time still holds a valid incumbent at least this good;
-* a **lower bound**: pulp does not return CBC's best bound, so the bound here
+* a **lower bound**: CBC's best bound is not returned through pulp, so the bound here
   is the optimum of the LP relaxation of the same problem (integrality
   dropped, everything else equal). Every integer plan costs at least this
   much, so it is a valid bound; the edge encoding keeps the relaxation tight
@@ -23,8 +23,6 @@ from __future__ import annotations
 import math
 import time
 import warnings
-
-import pulp
 
 from autotp.errors import SolverGapWarning
 
@@ -47,12 +45,12 @@ def replicated_choices(problem) -> dict[str, int]:
 
 
 def warm_start_replicated(problem, x: dict) -> int:
-    """Set pulp initial values so that each group starts on its fully replicated choice.
+    """Set starting values so that each group starts on its fully replicated choice.
 
-    ``x`` maps a group leader to ``{choice: binary variable}``. Groups without
-    a replicated choice (pinned to a split) are left for CBC to complete; if
-    the start is infeasible (a memory limit), CBC ignores it. Returns how many
-    groups were given a start.
+    ``x`` maps a group leader to ``{choice: binary variable}`` (`autotp.solve.linear.Var`).
+    Groups without a replicated choice (pinned to a split) are left for the
+    solver to complete; if the start is infeasible (a memory limit), it is
+    dropped (`complete_start`). Returns how many groups were given a start.
     """
     started = 0
     for name, replicated in replicated_choices(problem).items():
@@ -60,76 +58,74 @@ def warm_start_replicated(problem, x: dict) -> int:
         if replicated not in variables:
             continue
         for c, var in variables.items():
-            var.setInitialValue(1 if c == replicated else 0)
+            var.model.start[var.index] = 1.0 if c == replicated else 0.0
         started += 1
     return started
 
 
-def complete_start(lp: pulp.LpProblem) -> bool:
-    """Extend the binaries' initial values to a start for every variable, or drop the start.
+def complete_start(model) -> bool:
+    """Extend the binaries' starting values to a start for every variable, or drop the start.
 
     CBC completes a partial start by itself; HiGHS does not within a short
     limit. So the LP with every started binary fixed to its value is solved
     once (cheap: no integer search), and its solution becomes the start. If
-    that LP is infeasible (a memory limit the replicated plan breaks), every
-    initial value is cleared and the solver starts cold. Returns whether a
-    start remains.
+    that LP is infeasible (a memory limit the replicated plan breaks), the
+    start is cleared and the solver starts cold. Returns whether a start remains.
     """
-    started = [(v, v.lowBound, v.upBound) for v in lp.variables() if v.varValue is not None]
+    from autotp.solve.backends import solve_lp  # backends imports nothing from here, but keep the edge one way
+
+    started = dict(model.start)
     if not started:
         return False
-    for var, _, _ in started:
-        var.lowBound = var.upBound = var.varValue
+    bounds = {i: (model.lower[i], model.upper[i]) for i in started}
+    for i, value in started.items():
+        model.set_bounds(i, value, value)
     try:
-        lp.solve(pulp.PULP_CBC_CMD(msg=False, mip=False, timeLimit=LP_MIN_LIMIT_S, threads=1))
-        feasible = lp.sol_status == pulp.LpSolutionOptimal
+        solve_lp(model, LP_MIN_LIMIT_S)
+        feasible = model.has_solution and model.proven
     finally:
-        for var, low, up in started:
-            var.lowBound, var.upBound = low, up
-    if not feasible:
-        for var in lp.variables():
-            var.varValue = None
+        for i, (low, up) in bounds.items():
+            model.set_bounds(i, low, up)
+    model.start = {i: v for i, v in enumerate(model.values)} if feasible else {}
     return feasible
 
 
-def set_highs_start(lp: pulp.LpProblem) -> None:
-    """Hand the variables' initial values to a highspy model built by pulp (``lp.solverModel``)."""
-    import numpy as np
+def lp_relaxation_bound(model, time_limit_s: float | None = None, cutoff: float | None = None) -> float | None:
+    """The LP relaxation's optimum of ``model`` (a lower bound for a minimisation), or None if unsolved.
 
-    given = [(v.index, v.varValue) for v in lp.variables() if v.varValue is not None]
-    if given:
-        lp.solverModel.setSolution(len(given), np.array([i for i, _ in given], dtype=np.int32),
-                                   np.array([value for _, value in given], dtype=np.float64))
-
-
-def lp_relaxation_bound(lp: pulp.LpProblem, time_limit_s: float | None = None) -> float | None:
-    """The LP relaxation's optimum of ``lp`` (a lower bound for a minimisation), or None if unsolved.
+    With ``cutoff``, HiGHS's dual simplex stops once its objective (a lower
+    bound at every iteration) passes ``cutoff``, and ``cutoff`` is returned:
+    all a caller that skips what the cutoff beats needs, in a fraction of
+    the time.
 
     Solving overwrites the variables' values: read the integer incumbent first.
     Only an optimal LP value is a bound (a simplex stopped early is not), so
-    anything else returns None (``lp.status`` then says whether it is
+    anything else returns None (``model.status`` then says whether it is
     infeasible). The LP gets its own limit, at least `LP_MIN_LIMIT_S`: a limit
     too small for the solver to read the problem would leave every gap
     unknown. HiGHS solves it when installed, else CBC
-    (`autotp.solve.backends.lp_command`): its simplex for `SIMPLEX_FIRST_S`
-    (a second or two on most), then, if that did not settle it, its interior
-    point method for the rest of the limit.
+    (`autotp.solve.backends.solve_lp`): its simplex for `SIMPLEX_FIRST_S`
+    (a second or two on most; well under one from the last relaxation's
+    basis), then, if that did not settle it, its interior point method for
+    the rest of the limit.
     """
     if time_limit_s is not None:
         time_limit_s = max(time_limit_s, LP_MIN_LIMIT_S)
-    from autotp.solve.backends import highs_available, lp_command  # backends imports this module
+    from autotp.solve.backends import CUT_OFF, highs_available, solve_lp
 
     first = SIMPLEX_FIRST_S if time_limit_s is None else min(time_limit_s, SIMPLEX_FIRST_S)
     started = time.perf_counter()
-    lp.solve(lp_command(first if highs_available() else time_limit_s))
-    if (lp.sol_status != pulp.LpSolutionOptimal and lp.status != pulp.LpStatusInfeasible and highs_available()
+    solve_lp(model, first if highs_available() else time_limit_s, cutoff=cutoff)
+    if model.status == CUT_OFF:
+        return cutoff
+    if (not model.proven and model.status != "Infeasible" and highs_available()
             and (time_limit_s is None or time_limit_s > first)):
         rest = None if time_limit_s is None else time_limit_s - (time.perf_counter() - started)
         if rest is None or rest > 0:
-            lp.solve(lp_command(rest, interior=True))
-    if lp.sol_status != pulp.LpSolutionOptimal:  # pulp calls "stopped on time with a value" Optimal too
+            solve_lp(model, rest, interior=True)
+    if not (model.has_solution and model.proven):
         return None
-    return pulp.value(lp.objective) or 0.0
+    return model.objective_value or 0.0
 
 
 def optimality_gap(incumbent: float, bound: float | None) -> float:

@@ -1,4 +1,4 @@
-"""The ILP: one binary choice per group, edge-pair variables for resharding costs. The only pulp user.
+"""The ILP: one binary choice per group, edge-pair variables for resharding costs, as a `linear.Model`.
 
 Linearisation (Alpa's row/column-sum encoding): for an edge between groups u
 and v, continuous ``y[i][j] >= 0`` with ``sum_j y[i][j] = x_u[i]`` and
@@ -34,12 +34,11 @@ import time
 from dataclasses import dataclass, replace
 from itertools import product
 
-import pulp
-
 from autotp.errors import SolverError
 from autotp.solve import backends
 from autotp.solve.gap import (complete_start, lp_relaxation_bound, optimality_gap, replicated_choices,
                               warm_start_replicated, warn_gap)
+from autotp.solve.linear import Model, total
 from autotp.solve.problem import Problem
 from autotp.solve.recompute import layer_counts
 from autotp.solve.regather import folded, kind_sets
@@ -65,10 +64,6 @@ class Solution:
     limited: bool = False  # solved under the memory limit: the fastest plan did not fit
 
 
-def _safe(name: str) -> str:
-    return "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name)
-
-
 class MemoryInfeasible(Exception):
     """No choice fits the memory limit; ``smallest`` is the solution that uses the least memory."""
 
@@ -83,7 +78,7 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
     ``reduce``: only the choices and pairs `reduce_problem` leaves get variables;
     the replicated plan is kept among them, as the warm start of a time-limited solve.
     """
-    lp = pulp.LpProblem("autotp", pulp.LpMinimize)
+    lp = Model()
     x, objective, memory = {}, [], []
     reduced = reduce_problem(problem, time=minimise == "time",
                              memory=minimise == "memory" or memory_limit_bytes is not None,
@@ -92,13 +87,13 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
         allowed = reduced.choices[name]
         if not allowed:
             raise SolverError(f"op {name!r} has no strategy with a finite cost; this is a bug, please report it")
-        x[name] = {c: pulp.LpVariable(f"x_{_safe(name)}_{c}", cat="Binary") for c in allowed}
-        lp += pulp.lpSum(x[name].values()) == 1, f"one_{_safe(name)}"
+        x[name] = {c: lp.var(binary=True) for c in allowed}
+        lp.eq(total(x[name].values()), 1)
         objective += [group.cost_s[c] * _SCALE * v for c, v in x[name].items()]
         memory += [group.memory_bytes[c] / _BYTES * v for c, v in x[name].items()]
     y = {}
     for (gu, gv), table in problem.edges.items():
-        y[gu, gv] = _pair_variables(lp, x[gu], x[gv], reduced.pairs[gu, gv], f"{_safe(gu)}__{_safe(gv)}")
+        y[gu, gv] = _pair_variables(lp, x[gu], x[gv], reduced.pairs[gu, gv])
         objective += _terms(y[gu, gv], table)
     counts_memory = minimise == "memory" or memory_limit_bytes is not None
     for w, seconds, nbytes in _fanout_items(lp, problem, x, y, every=minimise == "time"):
@@ -118,8 +113,8 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
     if problem.recompute and counts_memory:
         r = _recompute_terms(lp, problem, x, objective, memory)
     if memory_limit_bytes is not None:
-        lp += pulp.lpSum(memory) <= memory_limit_bytes / _BYTES, "memory_limit"
-    lp += pulp.lpSum(objective if minimise == "time" else memory)
+        lp.le(total(memory), memory_limit_bytes / _BYTES)
+    lp.minimise(total(objective if minimise == "time" else memory))
     warm_start_replicated(problem, x)  # CBC starts from it only under a time limit (autotp.solve.gap)
     x = dict(x)
     x[_RECOMPUTE] = r
@@ -132,32 +127,30 @@ _RECOMPUTE = "__recompute__"  # the key of the recompute binaries among the choi
 def _recompute_terms(lp, problem: Problem, x: dict, objective: list, memory: list) -> dict:
     """Per layer class ``(layers per binary, binaries)``: how many of its layers it recomputes; their forward
     seconds again and their freed bytes (`autotp.solve.recompute`)."""
-    bits, transient = {}, pulp.LpVariable("recompute_transient", lowBound=0)
+    bits, transient = {}, lp.var()
     for k, rc in enumerate(problem.recompute):
         sizes = layer_counts(rc.count, problem.partial_recompute)
-        bits[k] = sizes, [pulp.LpVariable(f"recompute_{k}_bit_{j}", cat="Binary") for j in range(len(sizes))]
+        bits[k] = sizes, [lp.var(binary=True) for _ in sizes]
         if sum(sizes) > rc.count:
-            lp += pulp.lpSum(n * b for n, b in zip(*bits[k])) <= rc.count, f"recompute_{k}_layers"
-        for j, (n, b) in enumerate(zip(*bits[k])):
-            share, tag = n / rc.count, f"{k}_{j}"
+            lp.le(total(n * b for n, b in zip(*bits[k])), rc.count)
+        for n, b in zip(*bits[k]):
+            share = n / rc.count
             for g, values in rc.forward_s.items():
                 most = max(values[c] for c in x[g]) * _SCALE * share
                 if most > 0:
-                    t = pulp.LpVariable(f"recompute_s_{tag}_{_safe(g)}", lowBound=0)
-                    lp += t >= pulp.lpSum(values[c] * _SCALE * share * v for c, v in x[g].items()) - most * (1 - b), \
-                        f"recompute_s_{tag}_{_safe(g)}"
+                    t = lp.var()
+                    lp.ge(t, total(values[c] * _SCALE * share * v for c, v in x[g].items()) - most * (1 - b))
                     objective.append(t)
             freed = []
             for g, values in rc.saved_bytes.items():
                 most = max(values[c] for c in x[g]) / _BYTES * share
                 if most > 0:
-                    z = pulp.LpVariable(f"recompute_freed_{tag}_{_safe(g)}", lowBound=0)
-                    lp += z <= pulp.lpSum(values[c] / _BYTES * share * v for c, v in x[g].items()), \
-                        f"freed_{tag}_{_safe(g)}"
-                    lp += z <= most * b, f"freed_if_{tag}_{_safe(g)}"
+                    z = lp.var()
+                    lp.le(z, total(values[c] / _BYTES * share * v for c, v in x[g].items()))
+                    lp.le(z, most * b)
                     freed.append(z)
             memory += [-z for z in freed]
-            lp += transient >= pulp.lpSum(freed) * (1.0 / n), f"transient_{tag}"
+            lp.ge(transient, total(freed) * (1.0 / n))
     memory.append(transient)
     return bits
 
@@ -191,9 +184,9 @@ def _fanout_items(lp, problem: Problem, x: dict, y: dict, every: bool) -> list[t
             nbytes = fanout.memory_bytes[item] if fanout.memory_bytes else 0
             if not (every or nbytes):
                 continue
-            w = pulp.LpVariable(f"w_{_safe(fanout.producer)}_{f}_{item}", lowBound=0)
-            for a, indicators in by_arm.items():
-                lp += w >= pulp.lpSum(indicators), f"need_{f}_{item}_{a}"
+            w = lp.var()
+            for indicators in by_arm.values():
+                lp.ge(w, total(indicators))
             terms.append((w, fanout.cost_s[item], nbytes))
     return terms
 
@@ -205,7 +198,7 @@ def _linear(x: dict, y: dict, nodes: dict, pairs: dict) -> list:
     return out
 
 
-def _chain_wait(lp, chain, x: dict, y: dict, tag: str = ""):
+def _chain_wait(lp, chain, x: dict, y: dict):
     """The seconds the step waits for the gradient queue (`autotp.solve.chain`), as LP variables.
 
     Per stage ``lag >= reduce`` and ``lag >= reduce + previous lag - before``;
@@ -219,24 +212,24 @@ def _chain_wait(lp, chain, x: dict, y: dict, tag: str = ""):
     lag = 0
     for k, block in enumerate(chain.blocks):
         if block.repeat == 1:
-            for s, stage in enumerate(block.stages):
-                lag = _stage_lag(lp, lag, stage, x, y, f"{tag}{k}_{s}")
+            for stage in block.stages:
+                lag = _stage_lag(lp, lag, stage, x, y)
             continue
         fresh = 0
-        for s, stage in enumerate(block.stages):
-            fresh = _stage_lag(lp, fresh, stage, x, y, f"{tag}{k}_{s}")
-        delta = pulp.lpSum([t for stage in block.stages for t in _linear(x, y, stage.reduce_nodes, stage.reduce_pairs)]
-                           + [-t for stage in block.stages for t in _linear(x, y, stage.before, {})])
-        out, n = pulp.LpVariable(f"lag_{tag}{k}_x{block.repeat}", lowBound=0), block.repeat
-        lp += out >= lag + n * delta, f"lag_{tag}{k}_carried"
-        lp += out >= fresh + (n - 1) * delta, f"lag_{tag}{k}_built"
-        lp += out >= fresh, f"lag_{tag}{k}_fresh"
+        for stage in block.stages:
+            fresh = _stage_lag(lp, fresh, stage, x, y)
+        delta = total([t for stage in block.stages for t in _linear(x, y, stage.reduce_nodes, stage.reduce_pairs)]
+                      + [-t for stage in block.stages for t in _linear(x, y, stage.before, {})])
+        out, n = lp.var(), block.repeat
+        lp.ge(out, lag + n * delta)
+        lp.ge(out, fresh + (n - 1) * delta)
+        lp.ge(out, fresh)
         lag = out
-    wait = pulp.LpVariable(f"gradient_{tag}wait", lowBound=0)
-    lp += wait >= lag - pulp.lpSum(_linear(x, y, chain.after, {})), f"gradient_{tag}wait"
+    wait = lp.var()
+    lp.ge(wait, lag - total(_linear(x, y, chain.after, {})))
     if chain.early is None:
         return wait
-    return wait + chain.earlier * _chain_wait(lp, chain.early, x, y, tag=f"{tag}early_")
+    return wait + chain.earlier * _chain_wait(lp, chain.early, x, y)
 
 
 def _prefetch_wait(lp, chain, x: dict, y: dict):
@@ -247,50 +240,47 @@ def _prefetch_wait(lp, chain, x: dict, y: dict):
     grows with depth) plus the block's own terms up to the stage, at the
     block's first and (repeated ``n`` times) last layer.
     """
-    wait = pulp.LpVariable("gather_wait", lowBound=0)
+    wait = lp.var()
     lead = 0
-    for k, block in enumerate(chain.blocks):
+    for block in chain.blocks:
         own, rows = [], []
         for stage in block.stages:
             own += _linear(x, y, stage.reduce_nodes, {}) + [-t for t in _linear(x, y, stage.before, {})]
             rows.append(list(own))
-        for s, terms in enumerate(rows):
-            lp += wait >= lead + pulp.lpSum(terms), f"gather_{k}_{s}_first"
+        for terms in rows:
+            lp.ge(wait, lead + total(terms))
             if block.repeat > 1:
-                lp += wait >= lead + (block.repeat - 1) * pulp.lpSum(own) + pulp.lpSum(terms), f"gather_{k}_{s}_last"
-        after = pulp.LpVariable(f"gather_lead_{k}")
-        lp += after == lead + block.repeat * pulp.lpSum(own), f"gather_lead_{k}"
+                lp.ge(wait, lead + (block.repeat - 1) * total(own) + total(terms))
+        after = lp.var(low=-math.inf)
+        lp.eq(after, lead + block.repeat * total(own))
         lead = after
     return wait
 
 
-def _stage_lag(lp, previous, stage, x: dict, y: dict, tag: str):
-    reduce = pulp.lpSum(_linear(x, y, stage.reduce_nodes, stage.reduce_pairs))
-    lag = pulp.LpVariable(f"lag_{tag}", lowBound=0)
-    lp += lag >= reduce, f"lag_{tag}_own"
+def _stage_lag(lp, previous, stage, x: dict, y: dict):
+    reduce = total(_linear(x, y, stage.reduce_nodes, stage.reduce_pairs))
+    lag = lp.var()
+    lp.ge(lag, reduce)
     if not isinstance(previous, int):
-        lp += lag >= reduce + previous - pulp.lpSum(_linear(x, y, stage.before, {})), f"lag_{tag}_queued"
+        lp.ge(lag, reduce + previous - total(_linear(x, y, stage.before, {})))
     return lag
 
 
-def _run(lp, x, time_limit_s, solver: str = "cbc") -> Solution:
+def _run(lp, x, time_limit_s, solver: str = "cbc", cutoff: float | None = None) -> Solution:
     start = time.perf_counter()
     if time_limit_s is not None:
         complete_start(lp)  # a start for every variable: a solver stopped at the limit still holds a plan
-    lp.solve(backends.command(solver, time_limit_s))
+    backends.solve_mip(lp, solver, time_limit_s, cutoff)
     elapsed = time.perf_counter() - start
-    status = pulp.LpStatus[lp.status]
-    if status != "Optimal":
-        return Solution({}, math.inf, len(lp.variables()), len(lp.constraints), elapsed, status, solver=solver)
-    # a class whose rows all vanished (it frees nothing and costs nothing here) may be left without a value
+    if lp.status != "Optimal":
+        return Solution({}, math.inf, lp.n_vars, lp.n_rows, elapsed, lp.status, solver=solver)
     recompute = tuple((k, n) for k, (sizes, bits) in x.get(_RECOMPUTE, {}).items()
-                      if (n := sum(size for size, b in zip(sizes, bits) if (b.value() or 0.0) > 0.5)))
+                      if (n := sum(size for size, b in zip(sizes, bits) if b.value() > 0.5)))
     choice = {name: next(c for c, v in xs.items() if v.value() > 0.5) for name, xs in x.items() if name != _RECOMPUTE}
-    objective, gap = pulp.value(lp.objective), None
-    if lp.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped at the time limit holding an incumbent
+    objective, gap = lp.objective_value, None
+    if not lp.proven:  # stopped at the time limit holding an incumbent
         gap = optimality_gap(objective, lp_relaxation_bound(lp, time_limit_s))
-    return Solution(choice, objective, len(lp.variables()), len(lp.constraints), elapsed, status, gap, solver,
-                    recompute)
+    return Solution(choice, objective, lp.n_vars, lp.n_rows, elapsed, lp.status, gap, solver, recompute)
 
 
 _BOUND_MARGIN = 1e-6  # a relaxation's optimum within the LP solver's tolerance of beat_s proves nothing
@@ -389,50 +379,93 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
     at most `_MOST_BRANCHES` of them; `_branches`). A branch's LP relaxation
     bounds its plans from below, and is tight where the whole problem's is
     not: with a recompute binary fractional, the relaxation buys half a
-    recomputation's memory for half its time. So the branches are solved in
-    order of their bounds (ties: the larger set first, the most room), and
-    the rest skipped once a bound is no faster than the best plan so far, or
-    than ``beat_s`` (a plan found another way; when every branch is skipped
-    so, the status is ``"Beaten"``). Bounds and order are skipped under a time
-    limit, which solves each set whole. A branch whose relaxation is
-    infeasible has no plan, and is not solved. Exact: the branches partition
-    the plans, and a bound never exceeds its branch's optimum.
+    recomputation's memory for half its time. So a branch is skipped when
+    its bound is no faster than the *target*: the best plan so far, or
+    ``beat_s`` (a plan found another way; when every branch is skipped so,
+    the status is ``"Beaten"``). The first branch that survives while there
+    is no target (the largest set, every layer recomputed: the most room)
+    is solved at once, to set one; every later relaxation is solved with the
+    target as its cutoff, so HiGHS's dual simplex stops as soon as its
+    objective, a lower bound all along, passes it; the survivors are solved
+    in order of their bounds (ties: the larger set first). Bounds and order
+    are skipped under a time limit, which solves each set whole. A branch
+    whose relaxation is infeasible has no plan, and is not solved. Exact:
+    the branches partition the plans, and a bound never exceeds its
+    branch's optimum.
     """
-    branches = []  # (bound, order, kinds, variant, fixed, the set's ILP under the limit or None)
+    cutoff = beat_s * _SCALE if beat_s is not None else None
+    search = _Search(problem, limit, reduce, time_limit_s, solver, cutoff)
+    survivors = []  # (bound, order, kinds, variant, fixed, the set's ILP under the limit or None)
     for kinds in kind_sets(problem):
         variant = folded(problem, kinds)
         if time_limit_s is not None:
-            branches.append((0.0, len(branches), kinds, variant, {}, None))  # no bounds: built to solve
+            survivors.append((0.0, len(survivors), kinds, variant, {}, None))  # no bounds: built to solve
             continue
         model = _model(variant, "time", limit, reduce)
         for fixed in _branches(model[1]):
             _fix(model[1], fixed)
-            bound = lp_relaxation_bound(model[0])
-            if bound is None and model[0].status == pulp.LpStatusInfeasible:
+            target = search.target()
+            bound = lp_relaxation_bound(model[0], cutoff=None if target is None else target * (1 + _BOUND_MARGIN))
+            if bound is None and model[0].status == "Infeasible":
                 continue  # not even fractional choices fit: no plan of this branch does
-            # an unknown bound (the LP solver gave up) proves nothing: the branch is solved, first
-            branches.append((-math.inf if bound is None else bound, len(branches), kinds, variant, fixed, model))
-    branches.sort(key=lambda b: b[:2])
-    best, spent, last, beaten = None, 0.0, None, False
-    cutoff = beat_s * _SCALE if beat_s is not None else None
-    for bound, _, kinds, variant, fixed, model in branches:
-        target = best.objective_s if best is not None else cutoff
+            # an unknown bound (the LP solver gave up) proves nothing: the branch is solved
+            branch = (-math.inf if bound is None else bound, len(survivors), kinds, variant, fixed, model)
+            if target is None:
+                search.solve(*branch)
+                if search.failed is not None:
+                    return search.failed
+            elif not search.skips(branch[0]):
+                survivors.append(branch)
+    for bound, _, kinds, variant, fixed, model in sorted(survivors, key=lambda b: b[:2]):
+        if not search.skips(bound):
+            search.solve(bound, None, kinds, variant, fixed, model)
+        if search.failed is not None:
+            return search.failed
+    return search.result(problem)
+
+
+class _Search:
+    """The branches of `_limited` solved so far: the best plan, whether a bound or ``cutoff`` beat any, the time
+    spent, and the solve that stopped the search (a time limit, or a failed solver)."""
+
+    def __init__(self, problem, limit, reduce, time_limit_s, solver, cutoff):
+        self.problem, self.limit, self.reduce, self.time_limit_s, self.solver = problem, limit, reduce, time_limit_s, solver
+        self.cutoff, self.best, self.last, self.failed, self.beaten, self.spent = cutoff, None, None, None, False, 0.0
+
+    def target(self) -> float | None:
+        return self.best.objective_s if self.best is not None else self.cutoff
+
+    def skips(self, bound: float) -> bool:
+        target = self.target()
         if target is not None and bound >= target * (1 + _BOUND_MARGIN):
-            beaten = True
-            continue
-        last = _within(variant, limit, reduce, time_limit_s, solver, fixed=fixed, model=model)
-        spent += last.solve_s
-        if last.status == "Optimal" and cutoff is not None and last.objective_s >= cutoff * (1 - _BOUND_MARGIN):
-            beaten = True
-        elif last.status == "Optimal" and (best is None or last.objective_s < best.objective_s):
-            best = replace(last, regather=kinds)
+            self.beaten = True
+            return True
+        return False
+
+    def solve(self, bound, order, kinds, variant, fixed, model) -> None:
+        if self.failed is not None:
+            return
+        target = self.target()
+        cutoff = None if target is None else target * (1 + _BOUND_MARGIN)
+        last = self.last = _within(variant, self.limit, self.reduce, self.time_limit_s, self.solver, fixed=fixed,
+                                   model=model, cutoff=cutoff)
+        self.spent += last.solve_s
+        if last.status in ("Infeasible", backends.CUT_OFF) and cutoff is not None:
+            self.beaten = True  # no plan below the target: none at all, or none faster
+        elif last.status == "Optimal" and self.cutoff is not None and last.objective_s >= self.cutoff * (1 - _BOUND_MARGIN):
+            self.beaten = True
+        elif last.status == "Optimal" and (self.best is None or last.objective_s < self.best.objective_s):
+            self.best = replace(last, regather=kinds)
         elif last.status not in ("Optimal", "Infeasible"):
-            return last  # stopped by the time limit, or the solver failed: say so
-    if best is None:
-        if beaten or last is None:  # skipped by bounds, or every relaxation infeasible
-            return Solution({}, math.inf, 0, 0, spent, "Beaten" if beaten else "Infeasible", solver=solver)
-        return last
-    return replace(_effective(problem, best), solve_s=spent)
+            self.failed = last  # stopped by the time limit, or the solver failed: say so
+
+    def result(self, problem) -> Solution:
+        if self.best is None:
+            if self.beaten or self.last is None:  # skipped by bounds, or every relaxation infeasible
+                return Solution({}, math.inf, 0, 0, self.spent, "Beaten" if self.beaten else "Infeasible",
+                                solver=self.solver)
+            return self.last
+        return replace(_effective(problem, self.best), solve_s=self.spent)
 
 
 _MOST_BRANCHES = 4  # recompute binaries are branched on up to this many values (all of them, or none)
@@ -452,13 +485,14 @@ def _fix(x: dict, fixed: dict) -> None:
     the same model serves each branch in turn."""
     for (k, j), value in fixed.items():
         variable = x[_RECOMPUTE][k][1][j]
-        variable.lowBound = variable.upBound = value
+        variable.model.set_bounds(variable.index, value, value)
 
 
 def _within(problem: Problem, limit: float, reduce: bool, time_limit_s, solver: str, tries: int = 12,
-            fixed: dict | None = None, model: tuple | None = None) -> Solution:
+            fixed: dict | None = None, model: tuple | None = None, cutoff: float | None = None) -> Solution:
     """The fastest plan under the memory limit, checked in exact bytes (``fixed``: recompute binaries pinned;
-    ``model``: the ILP under ``limit`` itself, already built).
+    ``model``: the ILP under ``limit`` itself, already built; ``cutoff``: only plans below it are wanted, and
+    ``"Infeasible"`` says there is none).
 
     The solver meets each row to its tolerances (1e-6 of a MiB, and a binary
     may sit 1e-6 off its integer, which a large choice's bytes multiply), so
@@ -470,7 +504,7 @@ def _within(problem: Problem, limit: float, reduce: bool, time_limit_s, solver: 
     for attempt in range(tries):
         lp, x = model if model is not None and row == limit else _model(problem, "time", row, reduce)
         _fix(x, fixed or {})
-        solution = _run(lp, x, time_limit_s, solver)
+        solution = _run(lp, x, time_limit_s, solver, cutoff)
         if solution.status != "Optimal":
             return solution
         excess = memory_bytes(problem, solution.choice, solution.recompute) - limit
@@ -492,13 +526,13 @@ def _finish(solution: Solution, time_limit_s, earlier_s: float = 0.0) -> Solutio
     return replace(solution, objective_s=solution.objective_s / _SCALE, solve_s=solution.solve_s + earlier_s)
 
 
-def _pair_variables(lp, xu: dict, xv: dict, kept, tag: str) -> dict:
+def _pair_variables(lp, xu: dict, xv: dict, kept) -> dict:
     """Edge-pair variables and their row/column-sum constraints; only ``kept[i][j]`` pairs get one."""
-    y = {(i, j): pulp.LpVariable(f"y_{tag}_{i}_{j}", lowBound=0) for i in xu for j in xv if kept[i][j]}
+    y = {(i, j): lp.var() for i in xu for j in xv if kept[i][j]}
     for i, var in xu.items():
-        lp += pulp.lpSum(y[i, j] for j in xv if (i, j) in y) == var, f"row_{tag}_{i}"
+        lp.eq(total(y[i, j] for j in xv if (i, j) in y), var)
     for j, var in xv.items():
-        lp += pulp.lpSum(y[i, j] for i in xu if (i, j) in y) == var, f"col_{tag}_{j}"
+        lp.eq(total(y[i, j] for i in xu if (i, j) in y), var)
     return y
 
 
