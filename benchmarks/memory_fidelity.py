@@ -33,33 +33,15 @@ Markers in the profile give the running sum at the end of the first forward
 pass and the phase of the peak; the gradient bytes are counted after the
 last backward pass. Each column is the largest over the 4 ranks.
 
-What it showed on this project's 2-core machine: the parameter, gradient
-and optimizer terms are exact in every case (to the byte, ZeRO's slices
-included). The total is within 15% where the step runs as one micro-batch,
-always above the measured peak (measured / predicted 0.87 to 0.94), and
-below it with micro-batches (1.15 with 4; 1.18 to 1.25 with every lever
-over four runs: when asynchronous collectives free their buffers moves
-that peak by up to 1.3 MB). The gap is structural, the prediction being a
-sum with no peak over the step:
-
-- one micro-batch: the reducer allocates its bucket (every gradient but the
-  LM head's, 7.4 MB) at once, in backward, once the loss's and the LM
-  head's backward have freed 2.9 MB net (the logits, the log-probabilities);
-  and the activations term counts more than forward keeps (33.8 MB against
-  30.2 MB), 8 x 0.26 MB of it the shard of each sequence-parallel norm
-  output, counted as its producer's kept output (``OpNode.keeps_output``)
-  beside the all-gathered copy the next matmul keeps, though only that copy
-  is kept. So regathering those activations saved 2.4 MB (9 x 0.26: each
-  gathered copy freed, its shard kept) where 4.5 MB (17 x 0.26) was
-  predicted;
-- micro-batches: in the last micro-batch's backward the reducer allocates
-  that bucket while the gradients accumulated in ``.grad`` are still live,
-  so the gradients are held twice for a while (+7.3 MB beyond the terms);
-- every lever (ZeRO-3 at 4 micro-batches): at the peak, in the LM head's
-  backward (the largest matrix, 1.05 MB), the weight gathered again (and
-  copied once more by the ``cat`` after the all-gather), its whole gradient
-  before the reduce-scatter and the input's gradient: about 3.7 MB of
-  transient buffers that no term counts, on a predicted 18.9 MB.
+What it showed on this project's 2-core machine (docs/cost-model.md, "Memory
+per device, predicted against measured", has the table and the causes): the
+parameter, gradient and optimizer terms are exact in every case (to the byte,
+ZeRO's slices included); each lever alone is within 15% of the measured peak
+(0.87 to 0.94 above it with one micro-batch, 1.00 with 4); every lever at once
+is 1.50 to 1.60, its peak in backward made of one op's transient buffers
+(the LM head's ring backward, ZeRO-3's reduce-scattered gradients copied into
+``.grad``, gloo's copy of a reduce-scatter's input) that a sum of terms does
+not hold.
 
 Run: ``python benchmarks/memory_fidelity.py`` (about 1.5 minutes on 2 cores: 20 s of planning, 4 ranks x 8 plans)
 """

@@ -133,3 +133,19 @@ def test_the_set_of_flags_is_pinned():
         "explain": ["--profile", "--quiet"],
         "calibrate": ["--backend", "--links", "--max-size", "--mesh", "--name", "--nproc", "--out", "--quiet"],
     }
+
+
+def test_python_m_autotp_runs_the_cli_and_a_closed_pipe_ends_quietly(factory_file):
+    """``python -m autotp`` is the same command line; ``autotp plan ... | head -1`` ends without a traceback."""
+    shown = subprocess.run([sys.executable, "-m", "autotp", "--help"], capture_output=True, text=True)
+    assert shown.returncode == 0 and "calibrate" in shown.stdout
+    command = [sys.executable, "-m", "autotp", "plan", f"{factory_file}:make", "--mesh", "4", "--no-baselines",
+               "--quiet"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        first = proc.stdout.readline()
+        proc.stdout.close()  # as head does after one line
+        errors = proc.stderr.read()
+        code = proc.wait()
+    assert first.strip(), errors
+    assert "Traceback" not in errors and "BrokenPipeError" not in errors, errors
+    assert code in (0, 141), (code, errors)
