@@ -181,6 +181,12 @@ def _verify_on_rank(rank, world, spec, plan):
     return max_errors(model, plan, tuple(inputs), rank, kwargs=kwargs)
 
 
+def _splits(checked: Plan) -> bool:
+    """Whether any parameter or op output of the plan is split over a mesh axis."""
+    layouts = list(checked.parameters.values()) + [n.out for n in checked.nodes.values()]
+    return any(p.startswith("S(") for layout in layouts for p in layout)
+
+
 def cmd_verify(args) -> int:
     """Run the plan on N gloo processes against the single-device model; exit 1 on a mismatch."""
     from autotp.runtime import spawn
@@ -197,13 +203,19 @@ def cmd_verify(args) -> int:
     else:
         checked = plan(model, Mesh(args.mesh, links=args.links), inputs, kwargs, profile=args.profile,
                        progress=stages)
+    if not _splits(checked):
+        print("warning: this plan splits nothing (every device runs the whole model and only gradient sums, if "
+              "any, are checked): an OK says little; a larger model, or a profile in which splitting pays, gives a "
+              "plan worth verifying", file=sys.stderr)
     print(f"verifying on {checked.mesh.size} gloo processes ({checked.mesh}) ...", flush=True)
     with stages.stage(f"running {checked.mesh.size} processes"):
         errors = spawn(_verify_on_rank, checked.mesh.size, spec, checked)
     out, grad = max(e["output"] for e in errors), max(e["gradient"] for e in errors)
     ok = out <= args.tolerance and grad <= args.tolerance
+    for mismatch in sorted({m for e in errors for m in e["mismatches"]}):
+        print(f"mismatch: {mismatch}")
     print(f"max output error {out:.2e}, max gradient error {grad:.2e} over {errors[0]['parameters']} parameters "
-          f"on every rank: {'OK' if ok else 'MISMATCH'} (tolerance {args.tolerance:g})")
+          f"on every rank: {'OK' if ok else 'MISMATCH'} (tolerance {args.tolerance:g}, in float32 terms)")
     return 0 if ok else 1
 
 

@@ -106,8 +106,25 @@ def test_verify_passes_a_sharded_plan_and_fails_a_mismatch(verify_file, tmp_path
     good = run("verify", f"{verify_file}:make", "--plan", str(tmp_path / "p.json"))
     assert good.returncode == 0, good.stderr[-2000:]
     assert "OK" in good.stdout and "over 21 parameters" in good.stdout
+    assert "splits nothing" not in good.stderr
     bad = run("verify", f"{verify_file}:noisy", "--mesh", "2")
     assert bad.returncode == 1 and "MISMATCH" in bad.stdout
+
+
+def test_verify_warns_that_a_plan_splitting_nothing_proves_little(verify_file, tmp_path):
+    import autotp
+    from autotp.solve.constraints import replicated_only
+
+    sys.path.insert(0, str(verify_file.parent))
+    try:
+        from verify_factory import make
+    finally:
+        sys.path.remove(str(verify_file.parent))
+    model, inputs = make()
+    autotp.plan(model, autotp.Mesh("2"), inputs, allow=replicated_only).save(tmp_path / "whole.json")
+    out = run("verify", f"{verify_file}:make", "--plan", str(tmp_path / "whole.json"))
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
+    assert "warning: this plan splits nothing" in out.stderr
 
 
 def test_verify_refuses_meta_models(factory_file):
