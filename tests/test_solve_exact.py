@@ -21,6 +21,9 @@ or not, is enumerated and priced by `autotp.solve.step`:
   free and under a binding memory limit, and the least memory when minimised;
   asked to beat the limited optimum (a plan found elsewhere), it says no
   plan under the limit does, though one without it would;
+* the proof that a branch cannot fit (its least-memory relaxation over the
+  limit), asked of every relaxation of 20 problems, keeps the optimum, and
+  no branch it rules out holds a plan that fits;
 * the best plan the reduction leaves (of each problem with a set of kinds
   regathered, as the solver tries them) is the best plan of all, and so is
   the best one agreeing with a protected partial plan (the warm start).
@@ -299,3 +302,43 @@ def test_micro_batches_before_the_last_each_wait_for_their_sliced_gradients():
     # the last pass waits 4 - 1 = 3 s; each of the 3 before it 2.5 - 1 = 1.5 s
     assert chain_times_s(last, {"g": 0}) == (4.0 + 3 * 2.5, 3.0 + 3 * 1.5)
     assert solve(problem).objective_s == pytest.approx(7.5)
+
+
+def test_the_quick_proof_that_a_branch_cannot_fit_keeps_the_optimum(monkeypatch):
+    """With the quick check asked on every relaxation (the simplex given no time first), the limited optimum is
+    the enumerated one, and no branch the least-memory relaxation rules out holds a plan that fits; over the 20
+    problems and two limits, some branches are ruled out."""
+    from autotp.solve import gap
+    from autotp.solve.ilp import _may_fit
+
+    monkeypatch.setattr(gap, "SIMPLEX_QUICK_S", 0.0)
+    ruled_out = 0
+    for seed in range(20):
+        rng = random.Random(1000 + seed)
+        problem = _random_problem(rng)
+        every = list(_plans(problem))
+        if not every:
+            continue
+        memories = sorted({m for _, _, m in every})
+        for limit in (memories[0], memories[len(memories) // 3]):
+            assert solve(problem, memory_limit_bytes=limit).objective_s == pytest.approx(
+                _best(every, limit), abs=1e-9), seed
+            for kinds in kind_sets(problem):
+                variant = folded(problem, kinds)
+                for whole in itertools.product((0, 1), repeat=len(problem.recompute)):
+                    fixed = {(k, 0): bit for k, bit in enumerate(whole)}
+                    if problem.partial_recompute or _may_fit(variant, fixed, limit, True):
+                        continue
+                    ruled_out += 1
+                    counts = tuple((k, rc.count) for k, (rc, bit) in enumerate(zip(problem.recompute, whole)) if bit)
+                    assert all(memory_bytes(problem, choice, counts, kinds) > limit for choice in _choices(problem)), \
+                        (seed, kinds, whole)
+    assert ruled_out >= 5
+
+
+def _choices(problem: Problem):
+    names = list(problem.groups)
+    for picks in itertools.product(*(range(problem.groups[g].n) for g in names)):
+        choice = dict(zip(names, picks))
+        if not math.isinf(step_time(problem, choice).total_s):
+            yield choice

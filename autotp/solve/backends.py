@@ -94,7 +94,8 @@ def solve_lp(model, time_limit_s: float | None, interior: bool = False, cutoff: 
         model.relaxed = _highs(model, integral=False)
         _options(model.relaxed, threads=1, presolve="off")
     h = model.relaxed
-    _options(h, time_limit=_limit(time_limit_s), solver="ipm" if interior else "simplex",
+    # HiGHS's clock runs on over an object's solves, and its time limit is read against it
+    _options(h, time_limit=h.getRunTime() + _limit(time_limit_s), solver="ipm" if interior else "simplex",
              run_crossover="off" if interior else "on", objective_bound=math.inf if cutoff is None else cutoff)
     h.run()
     _read(model, h)

@@ -29,6 +29,7 @@ from autotp.errors import SolverGapWarning
 LP_MIN_LIMIT_S = 10.0  # the relaxation is one LP, far cheaper than the integer search it bounds
 # HiGHS's simplex settles most relaxations here in a second or two, but can spend minutes proving one infeasible
 SIMPLEX_FIRST_S = 10.0
+SIMPLEX_QUICK_S = 2.0  # a relaxation not settled by then may be infeasible: worth a cheaper proof (above)
 
 
 def replicated_choices(problem) -> dict[str, int]:
@@ -90,13 +91,19 @@ def complete_start(model) -> bool:
     return feasible
 
 
-def lp_relaxation_bound(model, time_limit_s: float | None = None, cutoff: float | None = None) -> float | None:
+def lp_relaxation_bound(model, time_limit_s: float | None = None, cutoff: float | None = None,
+                        infeasible=None) -> float | None:
     """The LP relaxation's optimum of ``model`` (a lower bound for a minimisation), or None if unsolved.
 
     With ``cutoff``, HiGHS's dual simplex stops once its objective (a lower
     bound at every iteration) passes ``cutoff``, and ``cutoff`` is returned:
     all a caller that skips what the cutoff beats needs, in a fraction of
-    the time.
+    the time. ``infeasible()``, when given, is asked once the simplex has
+    run `SIMPLEX_QUICK_S` without settling: a cheaper proof that no
+    fractional plan exists (the least memory any reaches, over the limit;
+    the simplex spends its longest runs proving just that). If it says so,
+    ``model.status`` is ``"Infeasible"`` and None is returned; else the
+    simplex goes on from where it stopped.
 
     Solving overwrites the variables' values: read the integer incumbent first.
     Only an optimal LP value is a bound (a simplex stopped early is not), so
@@ -115,7 +122,15 @@ def lp_relaxation_bound(model, time_limit_s: float | None = None, cutoff: float 
 
     first = SIMPLEX_FIRST_S if time_limit_s is None else min(time_limit_s, SIMPLEX_FIRST_S)
     started = time.perf_counter()
-    solve_lp(model, first if highs_available() else time_limit_s, cutoff=cutoff)
+    quick = infeasible is not None and highs_available() and first > SIMPLEX_QUICK_S
+    if quick:
+        solve_lp(model, SIMPLEX_QUICK_S, cutoff=cutoff)
+        if model.status == "Not Solved" and infeasible():
+            model.status = "Infeasible"
+            return None
+        first -= time.perf_counter() - started
+    if not quick or model.status == "Not Solved":  # the simplex goes on from its last basis
+        solve_lp(model, first if highs_available() else time_limit_s, cutoff=cutoff)
     if model.status == CUT_OFF:
         return cutoff
     if (not model.proven and model.status != "Infeasible" and highs_available()

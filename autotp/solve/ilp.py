@@ -405,7 +405,8 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
         for fixed in _branches(model[1]):
             _fix(model[1], fixed)
             target = search.target()
-            bound = lp_relaxation_bound(model[0], cutoff=None if target is None else target * (1 + _BOUND_MARGIN))
+            bound = lp_relaxation_bound(model[0], cutoff=None if target is None else target * (1 + _BOUND_MARGIN),
+                                        infeasible=lambda: not _may_fit(variant, fixed, limit, reduce))
             if bound is None and model[0].status == "Infeasible":
                 continue  # not even fractional choices fit: no plan of this branch does
             # an unknown bound (the LP solver gave up) proves nothing: the branch is solved
@@ -422,6 +423,16 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
         if search.failed is not None:
             return search.failed
     return search.result(problem)
+
+
+def _may_fit(problem: Problem, fixed: dict, limit: float, reduce: bool) -> bool:
+    """False when even fractional choices of this branch (``fixed``: its recompute binaries) need more memory
+    than ``limit``: the least-memory LP, a fraction of a second where proving the time LP infeasible can take
+    the simplex minutes. Dead-end elimination keeps the least memory, so its relaxation bounds it from below."""
+    lp, x = _model(problem, "memory", None, reduce)
+    _fix(x, fixed)
+    least = lp_relaxation_bound(lp)
+    return least is None or least * _BYTES <= limit * (1 + _BOUND_MARGIN)
 
 
 class _Search:
