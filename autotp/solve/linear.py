@@ -27,8 +27,11 @@ class Lin:
 
     __slots__ = ("index", "coef", "const")
 
-    def __init__(self, index=(), coef=(), const: float = 0.0):
-        self.index, self.coef, self.const = list(index), list(coef), float(const)
+    def __init__(self, index: list | None = None, coef: list | None = None, const: float = 0.0):
+        # the lists are taken, not copied: every operation below builds new ones
+        self.index = [] if index is None else index
+        self.coef = [] if coef is None else coef
+        self.const = float(const)
 
     def __add__(self, other) -> "Lin":
         other = as_lin(other)
@@ -97,7 +100,7 @@ def as_lin(x) -> Lin:
     if isinstance(x, Var):
         return x.lin()
     if isinstance(x, _NUMBERS):
-        return Lin((), (), float(x))
+        return Lin(None, None, float(x))
     raise TypeError(f"not a linear expression: {x!r}")
 
 
@@ -172,18 +175,21 @@ class Model:
 
     def ge(self, a, b=0.0) -> None:
         """The row ``a >= b``."""
-        self._row(as_lin(a) - b, 0.0, INF)
+        self._row(a, b, 0.0, INF)
 
     def le(self, a, b=0.0) -> None:
         """The row ``a <= b``."""
-        self._row(as_lin(a) - b, -INF, 0.0)
+        self._row(a, b, -INF, 0.0)
 
     def eq(self, a, b=0.0) -> None:
         """The row ``a == b``."""
-        self._row(as_lin(a) - b, 0.0, 0.0)
+        self._row(a, b, 0.0, 0.0)
 
-    def _row(self, lin: Lin, low: float, up: float) -> None:
-        index, coef = lin.index, lin.coef
+    def _row(self, a, b, low: float, up: float) -> None:
+        """``low <= a - b <= up``, the constants moved to the bounds."""
+        a, b = as_lin(a), as_lin(b)
+        index, coef = a.index + b.index, a.coef + [-c for c in b.coef]
+        const = a.const - b.const
         if len(set(index)) != len(index):  # a variable named twice: one entry, its coefficients summed
             merged: dict[int, float] = {}
             for i, c in zip(index, coef):
@@ -193,8 +199,8 @@ class Model:
         self.row_index += [i for i, _ in kept]
         self.row_coef += [c for _, c in kept]
         self.starts.append(len(self.row_index))
-        self.row_lower.append(low - lin.const)
-        self.row_upper.append(up - lin.const)
+        self.row_lower.append(low - const)
+        self.row_upper.append(up - const)
 
     def minimise(self, objective) -> None:
         lin = as_lin(objective)
