@@ -285,9 +285,9 @@ def cmd_calibrate(args) -> int:
         name = spawn(_calibrate_on_rank, args.nproc, mesh, args.name, out, sizes, not args.quiet)[0]
     from pathlib import Path
 
-    from autotp.cost.profile import PROFILE_DIR
+    from autotp.cost.profile import USER_DIR
 
-    path = Path(out or PROFILE_DIR) / f"{name}.json"
+    path = (Path(out) if out else USER_DIR.resolve()) / f"{name}.json"
     print(f"profile {name!r} written to {path}; use it with --profile {name if not out else path}")
     return 0
 
@@ -388,13 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--profile", default=None, help="cost under this profile instead of the plan's")
     e.add_argument("--quiet", action="store_true", help="no progress on stderr")
     e.set_defaults(fn=cmd_explain)
-    c = sub.add_parser("calibrate", help="measure this machine and write a profile to cost_models/")
+    c = sub.add_parser("calibrate", help="measure this machine and write a profile to ./cost_models/")
     c.add_argument("--nproc", type=int, default=4, help="local processes to spawn when not under torchrun")
     c.add_argument("--mesh", default=None, help="mesh shape (default: one axis over all processes)")
     c.add_argument("--links", default=None, help="link class per axis (default loopback on CPU, nvlink on GPU)")
     c.add_argument("--backend", default=None, help="gloo or nccl under torchrun (default: nccl when CUDA is there)")
     c.add_argument("--name", default=None, help="profile name (default: derived from host and process count)")
-    c.add_argument("--out", default=None, help="folder for the profile (default: cost_models/)")
+    c.add_argument("--out", default=None, help="folder for the profile (default: ./cost_models/, searched first "
+                                               "by --profile NAME)")
     c.add_argument("--max-size", default="64MiB", help="largest collective message (default 64MiB)")
     c.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     c.set_defaults(fn=cmd_calibrate)

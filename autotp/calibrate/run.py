@@ -1,4 +1,4 @@
-"""`calibrate()`: measure this machine and process group, fit, and write a profile to ``cost_models/``.
+"""`calibrate()`: measure this machine and process group, fit, and write a profile to ``./cost_models/``.
 
 Called on every rank of an initialised process group (gloo on CPU, NCCL on
 GPUs; torchrun or `autotp.runtime.spawn`). Rank 0 shows progress and writes
@@ -21,7 +21,7 @@ from autotp.calibrate.fit import fit_link
 from autotp.calibrate.measure import (COLLECTIVES, collective_time_s, launch_overhead_s, matmul_flops,
                                       memory_bandwidth_Bps)
 from autotp.progress import Progress
-from autotp.cost.profile import PROFILE_DIR, SCHEMA_VERSION, profile_from_dict
+from autotp.cost.profile import SCHEMA_VERSION, USER_DIR, profile_from_dict
 from autotp.errors import MeshError
 from autotp.fileio import atomic_write_text
 from autotp.mesh import Mesh
@@ -92,7 +92,7 @@ def calibrate(mesh=None, *, name: str | None = None, sizes=DEFAULT_SIZES, dtypes
     profile = _profile(name or _default_name(device, world), device, world, mesh, flops, bandwidth, launch, measured)
     profile_from_dict(profile)  # validate before anything is written
     if rank == 0:
-        write_profile(profile, Path(out_dir) if out_dir else PROFILE_DIR)
+        write_profile(profile, Path(out_dir) if out_dir else USER_DIR)
     dist.barrier()
     return profile
 
@@ -138,5 +138,6 @@ def _memory_bytes(device) -> int:
 def write_profile(profile: dict, out_dir: Path) -> Path:
     """Write ``<out_dir>/<name>.json`` atomically: an interrupted write never leaves a broken profile."""
     target = Path(out_dir) / f"{profile['name']}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(target, json.dumps(profile, indent=1) + "\n")
     return target

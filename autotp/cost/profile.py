@@ -1,7 +1,10 @@
 """Hardware profiles: the device's roofline and each link class's collective curves.
 
 A profile is JSON in ``cost_models/`` (schema below), loaded by name
-(``"h100-hgx"``) or path. Every figure carries its source. The loader validates
+(``"h100-hgx"``) or path. A name is looked up in ``./cost_models/`` (the
+working directory's, where `autotp calibrate` writes by default), then among
+the shipped profiles: the checkout's ``cost_models/`` when autotp runs from
+one, else where a wheel installs them (``<prefix>/share/autotp/cost_models``). Every figure carries its source. The loader validates
 strictly and names the file and the field of any problem.
 
     {"schema_version": 1, "name": ..., "description": ...,
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import json
 import math
+import site
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +28,19 @@ from autotp.errors import ProfileError
 
 SCHEMA_VERSION = 1
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "cost_models"
+USER_DIR = Path("cost_models")  # relative: the working directory's, searched first and written by calibrate
+
+
+def _shipped_dir() -> Path:
+    """The shipped profiles: a checkout's ``cost_models/`` (a source tree or an editable install), else the
+    data directory a wheel installed them into (under the interpreter's prefix, or the user base)."""
+    candidates = [Path(__file__).resolve().parents[2] / "cost_models",
+                  Path(sys.prefix) / "share" / "autotp" / "cost_models",
+                  Path(site.getuserbase()) / "share" / "autotp" / "cost_models"]
+    return next((d for d in candidates if (d / "h100-hgx.json").exists()), candidates[0])
+
+
+PROFILE_DIR = _shipped_dir()
 _DEVICE_FIELDS = {
     "peak_flops": None, "matmul_efficiency": (0.0, 1.0), "memory_bandwidth_Bps": (1e6, 1e15),
     "memory_efficiency": (0.0, 1.0), "memory_bytes": (1e6, 1e14), "launch_overhead_s": (-1e-30, 1e-2),
@@ -86,8 +103,14 @@ class Profile:
                           for k, v in self.links.items()}}
 
 
+def profile_dirs() -> list[Path]:
+    """Where a profile name is looked up, in order: ``./cost_models/``, then the shipped profiles."""
+    here = USER_DIR.resolve()
+    return [here, PROFILE_DIR] if here != PROFILE_DIR.resolve() else [PROFILE_DIR]
+
+
 def available_profiles() -> list[str]:
-    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+    return sorted({p.stem for d in profile_dirs() for p in d.glob("*.json")})
 
 
 def load_profile(name_or_path) -> Profile:
@@ -98,10 +121,13 @@ def load_profile(name_or_path) -> Profile:
         return profile_from_dict(name_or_path, "<dict>")
     path = Path(name_or_path)
     if not path.suffix:
-        path = PROFILE_DIR / f"{name_or_path}.json"
+        found = [d / f"{name_or_path}.json" for d in profile_dirs() if (d / f"{name_or_path}.json").exists()]
+        path = found[0] if found else PROFILE_DIR / f"{name_or_path}.json"
     if not path.exists():
-        raise ProfileError(f"unknown profile {str(name_or_path)!r}: no file {path}. "
-                           f"Shipped profiles: {', '.join(available_profiles())}; or pass a path to a JSON profile")
+        missing = (f"no {name_or_path}.json in {' or '.join(str(d) for d in profile_dirs())}"
+                   if not Path(name_or_path).suffix else f"no file {path}")
+        raise ProfileError(f"unknown profile {str(name_or_path)!r}: {missing}. "
+                           f"Profiles: {', '.join(available_profiles())}; or pass a path to a JSON profile")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:

@@ -1,0 +1,44 @@
+"""A wheel that installs: built from pyproject.toml, installed into a fresh virtual environment, and used from a
+directory outside the checkout, it loads its shipped profiles by name, runs as ``python -m autotp``, and plans.
+
+The environment sees this machine's packages (``--system-site-packages``: torch is not downloaded); the wheel's
+own autotp comes first on its path.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+CHECK = """
+import autotp, torch
+from autotp.cost.profile import PROFILE_DIR, available_profiles, load_profile
+assert "site-packages" in autotp.__file__, autotp.__file__
+assert set(available_profiles()) >= {"h100-hgx", "a100-hgx", "cpu-2core-4proc"}, available_profiles()
+assert load_profile("h100-hgx").name == "h100-hgx"
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+plan = autotp.plan(model, autotp.Mesh("2"), (torch.randn(8, 64),))
+print("ok", PROFILE_DIR, plan.predicted["total_s"] > 0)
+"""
+
+
+def test_the_wheel_installs_and_finds_its_profiles(tmp_path):
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(wheels)], check=True, capture_output=True)
+    wheel = next(wheels.glob("autotp-*.whl"))
+    env = tmp_path / "env"
+    venv.create(env, system_site_packages=True, with_pip=False)
+    python = env / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+                   check=True, capture_output=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run = subprocess.run([str(python), "-c", CHECK], cwd=elsewhere, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.startswith("ok ") and "share/autotp/cost_models" in run.stdout and run.stdout.endswith("True\n")
+    module = subprocess.run([str(python), "-m", "autotp", "--help"], cwd=elsewhere, capture_output=True, text=True)
+    assert module.returncode == 0 and "calibrate" in module.stdout, module.stderr[-2000:]
