@@ -20,6 +20,7 @@ from autotp.mesh import Mesh
 from autotp.progress import Stages, stages_or_silent
 from autotp.report.scopes import node_scopes
 from autotp.runtime.groups import mesh_groups
+from autotp.runtime.mode import fix_mode
 from autotp.solve.assemble import assemble_plan, chosen_strategies, plan_memory
 from autotp.solve.constraints import apply_constraints
 from autotp.solve.ilp import MemoryInfeasible, NoBetterPlan, solve
@@ -291,7 +292,9 @@ def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, batc
     """This rank's program for ``plan``: a GraphModule with sharded parameters and collectives.
 
     Call it on every rank of an initialised process group whose size is the
-    mesh's. Each rank then calls the result with the whole inputs, or with
+    mesh's. The program runs in the plan's mode (``plan.training``): ``.train()``
+    and ``.eval()`` accept that mode and refuse the other with a `PlanError`
+    (`autotp.runtime.mode`). Each rank then calls the result with the whole inputs, or with
     its own piece of each (``plan.io["inputs"]``; `autotp.runtime.local_inputs`
     cuts them), and gets its outputs back as ``plan.io["outputs"]`` says.
     Gradient sums of data parallelism run as the plan priced them
@@ -317,7 +320,7 @@ def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, batc
                   load_shard=loader)
     if weights is not None:
         check_materialized(local)
-    return local
+    return fix_mode(local, plan.training)
 
 
 def _device_of(model) -> torch.device:

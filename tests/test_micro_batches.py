@@ -16,6 +16,8 @@
   (no whole gradient outlives a backward pass); the others are summed once,
   and accumulate in their buckets (``.grad`` a view of the bucket, as DDP's
   ``gradient_as_bucket_view``), so the gradients are never held twice.
+  The rank module accepts ``train()``, its plan's mode, and refuses
+  ``eval()`` with an error that says to plan for inference.
 """
 
 from __future__ import annotations
@@ -83,6 +85,12 @@ def _run(rank, world, plans):
         reference = copy.deepcopy(model)
         counter = CommCounter()
         local = autotp.parallelize(model, plan, counter=counter)
+        assert local.train() is local and local.training  # the plan's own mode: a no-op, as a training loop calls it
+        try:
+            local.eval()
+            refused = ""
+        except PlanError as exc:  # a captured program cannot change mode: the error says how to get the other
+            refused = str(exc)
         want = reference(*inputs)
         want.backward()
         got = accumulate(local, plan, *inputs)
@@ -122,7 +130,7 @@ def _run(rank, world, plans):
         slices_held = sum(getattr(p, "autotp_gradient_slice", None) is not None for p in sliced)
         out[name] = {"gradient": gradient, "losses": losses, "calls": calls, "sums": sums, "sliced_sums": sliced_sums,
                      "sliced": len(sliced), "whole_left": whole_left, "slices_held": slices_held,
-                     "held": len(held), "in_bucket": in_bucket,
+                     "held": len(held), "in_bucket": in_bucket, "refused": refused,
                      "split": len(local.autotp_optimizer_shards),
                      "recomputed": recomputed_stretches(local)}
     return out
@@ -154,5 +162,6 @@ def test_a_step_of_micro_batches_matches_the_whole_batch_on_one_device(results):
             assert e["whole_left"] == 0 and e["slices_held"] == e["sliced"], name
             assert e["in_bucket"] == e["held"], name  # a no_sync pass's gradients live in the buckets only
         assert by_plan["data_parallel"]["held"] > 0
+        assert all("plan with autotp.plan(..., training=False)" in e["refused"] for e in by_plan.values())
         assert by_plan["combined"]["split"] > 0 and by_plan["combined"]["recomputed"] >= 2
         assert by_plan["combined"]["sliced"] > 0
