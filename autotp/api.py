@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from autotp.runtime.groups import mesh_groups
 from autotp.runtime.mode import fix_mode
 from autotp.solve.assemble import assemble_plan, chosen_strategies, plan_memory
 from autotp.solve.constraints import apply_constraints
-from autotp.solve.ilp import MemoryInfeasible, NoBetterPlan, solve
+from autotp.solve.ilp import MemoryBinds, MemoryInfeasible, NoBetterPlan, solve
 from autotp.solve.plan import Plan
 from autotp.solve.problem import build_problem
 from autotp.solve.recompute import LAYERS
@@ -112,7 +113,10 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
       may run it as k micro-batches of batch/k (gradients summed once, after
       the last), ``plan.micro_batches`` says k and `autotp.runtime.accumulate`
       runs them. ``"auto"`` (training) tries k = 1, 2, ... (divisors of the
-      batch) while memory binds and keeps the fastest plan; an int fixes k.
+      batch) while memory binds and keeps the fastest plan (when k = 1 is
+      memory bound by more than `DEFER_OVER` times, `likely_count` is
+      searched first, so its plan cuts the others' search short); an int
+      fixes k.
 
     ``progress`` (``True``, or an `autotp.progress.Stages`) reports each stage and its time
     on stderr; by default nothing is printed. ``share_layers`` gives identical
@@ -131,27 +135,66 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
                    solver=solver, precision=precision, optimizer_sharding=optimizer_sharding, recompute=recompute,
                    regather=regather, overlap_tp=overlap_tp)
     best, failure = None, None
-    for k in micro_batch_counts(micro_batches, training, example_inputs, example_kwargs):
+    counts = micro_batch_counts(micro_batches, training, example_inputs, example_kwargs)
+    pending, ceiling = list(counts), math.inf  # no count above the ceiling can beat the best plan
+    likely, deferred = likely_count(counts, as_mesh(mesh), batch_size(example_inputs, example_kwargs)), {}
+    while pending:
+        k = pending.pop(0)
+        if k > ceiling:
+            continue
         args, kwargs = micro_batch(example_inputs, example_kwargs, k)
-        captured = capture_model(model, args, kwargs, replay_layers, stages)
+        captured = deferred.pop(k) if k in deferred else capture_model(model, args, kwargs, replay_layers, stages)
+        defer = k == counts[0] and likely is not None and likely in pending
         try:
             result = plan_captured(captured, mesh, micro_batches=k, progress=stages,
+                                   defer_over=DEFER_OVER if defer else None,
                                    beat_s=best.predicted["total_s"] if best else None, **options)
+        except MemoryBinds:
+            # one micro-batch is far over the limit, and its search under the limit the costliest of all: first
+            # find the plan of the likeliest count, whose step time then cuts this search (and the others) short
+            deferred[k] = captured
+            _try_first(pending, likely)
+            pending.insert(1, k)
+            continue
         except MemoryLimitError as exc:
             failure = exc  # fewer tokens per micro-batch may fit: try the next k
             continue
         except NoBetterPlan as exc:
-            if exc.unlimited:
-                break  # even unlimited, k micro-batches are slower than the best plan: more would be slower still
+            if exc.unlimited:  # even unlimited, k micro-batches are slower than the best plan: more would be too
+                ceiling = min(ceiling, k)
             continue  # under the limit k is no faster; more micro-batches free more memory: try them
         if best is None or result.predicted["total_s"] < best.predicted["total_s"]:
             best = result
         if not result.stats["memory_bound"]:
-            break  # the fastest plan of this k fits as it is: more micro-batches only add steps to it
+            ceiling = min(ceiling, k)  # the fastest plan of this k fits as it is: more micro-batches only add steps
     if best is None:
         raise failure
     best.stats["plan_s"] = time.perf_counter() - started
     return best
+
+
+# one micro-batch whose fastest plan needs this many times the memory limit is searched after `likely_count`:
+# Llama-2-70B on 4x8 at batch 64 needs 20 times (it runs best as 16 micro-batches: 135 s of planning became 86),
+# at batch 8 1.7 times (one micro-batch is best, and searching 2 first made planning 41 s -> 69 s)
+DEFER_OVER = 4.0
+
+
+def likely_count(counts: list[int], mesh: Mesh, batch: int | None) -> int | None:
+    """The micro-batch count likeliest to win once memory binds: the most micro-batches that still give each
+    data-parallel replica a sample (the mesh's axes but the last, conventionally the fast one that tensor
+    parallelism takes, taken as data-parallel), Megatron-LM's micro-batch of one."""
+    replicas = max(1, mesh.size // mesh.shape[-1])
+    fitting = [k for k in counts if batch and (batch // k) % replicas == 0]
+    return max(fitting, default=None)
+
+
+def _try_first(pending: list[int], k: int | None) -> None:
+    """Move ``k`` to the front of ``pending``: the order of the counts changes the time the search takes (a good
+    plan found early lets every later relaxation stop at it), never how fast the plan it finds is (of plans as
+    fast, the one found first is kept)."""
+    if k is not None and k in pending:
+        pending.remove(k)
+        pending.insert(0, k)
 
 
 def micro_batch_counts(micro_batches, training: bool, example_inputs, example_kwargs) -> list[int]:
@@ -195,11 +238,14 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
                   bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True,
                   solver: str = "auto", precision: str = AUTO, optimizer_sharding: bool = True,
                   recompute: bool | str = True, micro_batches: int = 1, beat_s: float | None = None,
-                  regather: bool = True, overlap_tp: bool = True, progress: Stages | None = None) -> Plan:
+                  regather: bool = True, overlap_tp: bool = True, progress: Stages | None = None,
+                  defer_over: float | None = None) -> Plan:
     """Stages 2 to 5 of `plan` on a captured model: strategies, costs, the ILP, the `Plan`.
 
     ``beat_s``: raise `NoBetterPlan` as soon as the fastest plan, without the
-    memory limit or under it, is no faster (the micro-batch search of `plan`).
+    memory limit or under it, is no faster; ``defer_over``: raise
+    `MemoryBinds` rather than search under a limit the fastest plan needs
+    more than that many times (both for the micro-batch search of `plan`).
     """
     started, stages = time.perf_counter(), stages_or_silent(progress)
     mesh, profile, graph = as_mesh(mesh), load_profile(profile), captured.graph
@@ -223,7 +269,7 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
              else parse_bytes(memory_limit) if memory_limit is not None else None)
     with stages.stage("solving ILP") as stage:
         try:
-            solution = solve(problem, time_limit_s, limit, solver, beat_s=beat_s)
+            solution = solve(problem, time_limit_s, limit, solver, beat_s=beat_s, defer_over=defer_over)
         except MemoryInfeasible as exc:
             raise memory_limit_error(graph, problem, exc.smallest, mesh, training, limit, whole_outputs) from None
         stage.detail = f"{solution.variables:,} variables"

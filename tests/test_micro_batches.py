@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import autotp
-from autotp.errors import PlanError
+from autotp.errors import MemoryLimitError, PlanError
 from autotp.lower.collectives import CommCounter
 from autotp.report.baselines import batch_split_only
 from autotp.runtime import accumulate, shard_optimizer
@@ -60,6 +60,16 @@ def test_micro_batches_are_planned_when_memory_needs_them():
     assert p["objective_s"] == pytest.approx(p["total_s"], rel=1e-9)
     assert p["compute_s"] + p["comm_s"] - p["hidden_s"] == pytest.approx(p["total_s"], rel=1e-9)
     assert autotp.Plan.from_dict(tight.to_dict()).micro_batches == k
+    # the search over k (one micro-batch far over the limit: the likeliest count searched first) finds the fastest
+    # of the plans each k gives alone
+    alone = []
+    for count in (1, 2, 4, 8, 16):
+        try:
+            alone.append(autotp.plan(model, mesh, inputs, profile="h100-hgx", micro_batches=count,
+                                     memory_limit=int(free.memory["total"] * 0.15)).predicted["total_s"])
+        except MemoryLimitError:
+            pass
+    assert p["total_s"] == pytest.approx(min(alone), rel=1e-9)
     two = autotp.plan(model, mesh, inputs, profile="h100-hgx", micro_batches=2, recompute=False,
                       optimizer_sharding=False)
     assert two.micro_batches == 2 and two.predicted["total_s"] > free.predicted["total_s"]

@@ -295,8 +295,14 @@ class NoBetterPlan(Exception):
         self.unlimited = unlimited
 
 
+class MemoryBinds(Exception):
+    """The fastest plan needs many times the memory limit, and the caller asked to hear so before the search
+    under the limit (``solve(..., defer_over=...)``): it may first find a plan elsewhere to beat."""
+
+
 def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_bytes: float | None = None,
-          solver: str = "auto", reduce: bool = True, beat_s: float | None = None) -> Solution:
+          solver: str = "auto", reduce: bool = True, beat_s: float | None = None,
+          defer_over: float | None = None) -> Solution:
     """Pick one strategy per group minimising the predicted step time, within the memory limit.
 
     ``solver`` is ``"auto"``, ``"cbc"`` or ``"highs"`` (`autotp.solve.backends`).
@@ -311,6 +317,8 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     and `NoBetterPlan` when the fastest plan, limit or not, is no faster than
     ``beat_s`` (a plan found another way: the limited solve is not needed),
     first tried on the LP relaxation's bound, which often settles it alone.
+    ``defer_over``: raise `MemoryBinds` instead of searching under the limit when the fastest plan (or the
+    relaxation's rounded guess at it) needs more than ``defer_over`` times the limit.
     """
     solver = backends.resolve(solver)
     lp, x = _model(problem, "time", None, reduce)
@@ -323,6 +331,8 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
             raise NoBetterPlan(f"at least {bound / _SCALE:.6g} s (LP relaxation) >= {beat_s:.6g} s")
         relaxed = _rounded(x) if bound is not None and memory_limit_bytes is not None else None
     if relaxed is not None and memory_bytes(problem, relaxed) > memory_limit_bytes * (1 + _ROUNDED_MARGIN):
+        if defer_over is not None and memory_bytes(problem, relaxed) > defer_over * memory_limit_bytes:
+            raise MemoryBinds()
         return _limited_or_raise(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s, 0.0)
     free = _run(lp, x, time_limit_s, solver)
     if beat_s is not None and free.status == "Optimal" and free.objective_s / _SCALE >= beat_s:
@@ -330,6 +340,9 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     if memory_limit_bytes is None or (free.status == "Optimal"
                                       and memory_bytes(problem, free.choice, free.recompute) <= memory_limit_bytes):
         return _finish(free, time_limit_s)
+    if (defer_over is not None and free.status == "Optimal"
+            and memory_bytes(problem, free.choice, free.recompute) > defer_over * memory_limit_bytes):
+        raise MemoryBinds()
     return _limited_or_raise(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s, free.solve_s)
 
 
