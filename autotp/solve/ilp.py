@@ -210,7 +210,7 @@ def _chain_wait(lp, chain, x: dict, y: dict):
     last is the same construction, its wait paid ``earlier`` times.
     """
     lag = 0
-    for k, block in enumerate(chain.blocks):
+    for block in chain.blocks:
         if block.repeat == 1:
             for stage in block.stages:
                 lag = _stage_lag(lp, lag, stage, x, y)
