@@ -37,7 +37,7 @@ def _shipped_dir() -> Path:
     candidates = [Path(__file__).resolve().parents[2] / "cost_models",
                   Path(sys.prefix) / "share" / "autotp" / "cost_models",
                   Path(site.getuserbase()) / "share" / "autotp" / "cost_models"]
-    return next((d for d in candidates if (d / "h100-hgx.json").exists()), candidates[0])
+    return next((d for d in candidates if any(d.glob("*.json"))), candidates[0])
 
 
 PROFILE_DIR = _shipped_dir()

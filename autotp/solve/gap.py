@@ -25,6 +25,7 @@ import time
 import warnings
 
 from autotp.errors import SolverGapWarning
+from autotp.solve.backends import CUT_OFF, highs_available, solve_lp
 
 LP_MIN_LIMIT_S = 10.0  # the relaxation is one LP, far cheaper than the integer search it bounds
 # HiGHS's simplex settles most relaxations here in a second or two, but can spend minutes proving one infeasible
@@ -73,8 +74,6 @@ def complete_start(model) -> bool:
     that LP is infeasible (a memory limit the replicated plan breaks), the
     start is cleared and the solver starts cold. Returns whether a start remains.
     """
-    from autotp.solve.backends import solve_lp  # backends imports nothing from here, but keep the edge one way
-
     started = dict(model.start)
     if not started:
         return False
@@ -118,8 +117,6 @@ def lp_relaxation_bound(model, time_limit_s: float | None = None, cutoff: float 
     """
     if time_limit_s is not None:
         time_limit_s = max(time_limit_s, LP_MIN_LIMIT_S)
-    from autotp.solve.backends import CUT_OFF, highs_available, solve_lp
-
     first = SIMPLEX_FIRST_S if time_limit_s is None else min(time_limit_s, SIMPLEX_FIRST_S)
     started = time.perf_counter()
     quick = infeasible is not None and highs_available() and first > SIMPLEX_QUICK_S

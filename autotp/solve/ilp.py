@@ -417,25 +417,24 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
         model = _model(variant, "time", limit, reduce)
         for fixed in _branches(model[1]):
             _fix(model[1], fixed)
-            target = search.target()
-            bound = lp_relaxation_bound(model[0], cutoff=None if target is None else target * (1 + _BOUND_MARGIN),
+            bound = lp_relaxation_bound(model[0], cutoff=search.cutoff_now(),
                                         infeasible=lambda: not _may_fit(variant, fixed, limit, reduce))
             if bound is None and model[0].status == "Infeasible":
                 continue  # not even fractional choices fit: no plan of this branch does
             # an unknown bound (the LP solver gave up) proves nothing: the branch is solved
-            branch = (-math.inf if bound is None else bound, len(survivors), kinds, variant, fixed, model)
-            if target is None:
-                search.solve(*branch)
+            bound = -math.inf if bound is None else bound
+            if search.target() is None:
+                search.solve(kinds, variant, fixed, model)
                 if search.failed is not None:
                     return search.failed
-            elif not search.skips(branch[0]):
-                survivors.append(branch)
+            elif not search.skips(bound):
+                survivors.append((bound, len(survivors), kinds, variant, fixed, model))
     for bound, _, kinds, variant, fixed, model in sorted(survivors, key=lambda b: b[:2]):
         if not search.skips(bound):
-            search.solve(bound, None, kinds, variant, fixed, model)
+            search.solve(kinds, variant, fixed, model)
         if search.failed is not None:
             return search.failed
-    return search.result(problem)
+    return search.result()
 
 
 def _may_fit(problem: Problem, fixed: dict, limit: float, reduce: bool) -> bool:
@@ -459,18 +458,22 @@ class _Search:
     def target(self) -> float | None:
         return self.best.objective_s if self.best is not None else self.cutoff
 
-    def skips(self, bound: float) -> bool:
+    def cutoff_now(self) -> float | None:
+        """The target, less nothing a solver's tolerance could blur: what a relaxation or a MIP must beat."""
         target = self.target()
-        if target is not None and bound >= target * (1 + _BOUND_MARGIN):
+        return None if target is None else target * (1 + _BOUND_MARGIN)
+
+    def skips(self, bound: float) -> bool:
+        cutoff = self.cutoff_now()
+        if cutoff is not None and bound >= cutoff:
             self.beaten = True
             return True
         return False
 
-    def solve(self, bound, order, kinds, variant, fixed, model) -> None:
+    def solve(self, kinds, variant, fixed, model) -> None:
         if self.failed is not None:
             return
-        target = self.target()
-        cutoff = None if target is None else target * (1 + _BOUND_MARGIN)
+        cutoff = self.cutoff_now()
         last = self.last = _within(variant, self.limit, self.reduce, self.time_limit_s, self.solver, fixed=fixed,
                                    model=model, cutoff=cutoff)
         self.spent += last.solve_s
@@ -483,13 +486,13 @@ class _Search:
         elif last.status not in ("Optimal", "Infeasible"):
             self.failed = last  # stopped by the time limit, or the solver failed: say so
 
-    def result(self, problem) -> Solution:
+    def result(self) -> Solution:
         if self.best is None:
             if self.beaten or self.last is None:  # skipped by bounds, or every relaxation infeasible
                 return Solution({}, math.inf, 0, 0, self.spent, "Beaten" if self.beaten else "Infeasible",
                                 solver=self.solver)
             return self.last
-        return replace(_effective(problem, self.best), solve_s=self.spent)
+        return replace(_effective(self.problem, self.best), solve_s=self.spent)
 
 
 _MOST_BRANCHES = 4  # recompute binaries are branched on up to this many values (all of them, or none)

@@ -28,7 +28,7 @@ class Lin:
     __slots__ = ("index", "coef", "const")
 
     def __init__(self, index: list | None = None, coef: list | None = None, const: float = 0.0):
-        # the lists are taken, not copied: every operation below builds new ones
+        # the lists are taken, not copied: no operation changes a list in place, so expressions may share them
         self.index = [] if index is None else index
         self.coef = [] if coef is None else coef
         self.const = float(const)
@@ -208,8 +208,3 @@ class Model:
         for i, c in zip(lin.index, lin.coef):
             self.cost[i] += c
         self.offset = lin.const
-
-    def value_of(self, expression) -> float:
-        """An expression's value in the last solution."""
-        lin = as_lin(expression)
-        return lin.const + sum(c * float(self.values[i]) for i, c in zip(lin.index, lin.coef))
