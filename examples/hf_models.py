@@ -15,40 +15,40 @@ def _ids(vocab: int = VOCAB, batch: int = BATCH, seq: int = SEQ, device=None):
     return torch.randint(0, vocab, (batch, seq), device=device)
 
 
-def llama(vocab=VOCAB, heads=4, kv_heads=2, layers=2, hidden=64):
+def llama(vocab=VOCAB, heads=4, kv_heads=2, layers=2, hidden=64, dropout=0.0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=64, attention_dropout=0.0)
+                         max_position_embeddings=64, attention_dropout=dropout)
     ids = _ids(vocab)
     return LlamaForCausalLM(config), (ids,), {"labels": ids}
 
 
-def gpt2(vocab=VOCAB, heads=4, layers=2, hidden=64):
+def gpt2(vocab=VOCAB, heads=4, layers=2, hidden=64, dropout=0.0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=64,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
     ids = _ids(vocab)
     return GPT2LMHeadModel(config), (ids,), {"labels": ids}
 
 
-def bert(vocab=VOCAB, heads=4, layers=2, hidden=64):
+def bert(vocab=VOCAB, heads=4, layers=2, hidden=64, dropout=0.0):
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                        intermediate_size=2 * hidden, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                        intermediate_size=2 * hidden, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     ids = _ids(vocab)
     return BertForMaskedLM(config), (ids,), {"labels": ids}
 
 
-def vit(heads=4, layers=2, hidden=64, image=32, patch=8, batch=BATCH):
+def vit(heads=4, layers=2, hidden=64, image=32, patch=8, batch=BATCH, dropout=0.0):
     from transformers import ViTConfig, ViTForImageClassification
 
     config = ViTConfig(image_size=image, patch_size=patch, hidden_size=hidden, num_hidden_layers=layers,
                        num_attention_heads=heads, intermediate_size=2 * hidden, num_labels=10,
-                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                       hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     images = torch.randn(batch, 3, image, image)
     return ViTForImageClassification(config), (images,), {"labels": torch.arange(batch) % 10}
 
@@ -57,7 +57,8 @@ FAMILIES = {"llama": llama, "gpt2": gpt2, "bert": bert, "vit": vit}
 
 
 def build(name: str, train: bool = True, **overrides):
-    """The named model in train (dropout is 0) or eval mode, with its example inputs."""
+    """The named model in train or eval mode, with its example inputs (``dropout=p`` sets every dropout
+    probability of its config, attention's included; 0 by default)."""
     torch.manual_seed(0)
     model, args, kwargs = FAMILIES[name](**overrides)
     model.train(train)

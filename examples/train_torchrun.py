@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 from pathlib import Path
@@ -106,6 +107,10 @@ def main() -> None:
         atomic_write_text(args.losses_out, json.dumps(losses, indent=1) + "\n")
     if rank == 0 and args.consolidate:
         torch.save(consolidate(args.save or args.resume), args.consolidate)
+    # free the module (and the process groups it holds) while Python is whole: a gloo group left to
+    # interpreter shutdown can abort the process ("terminate called without an active exception")
+    del local, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 

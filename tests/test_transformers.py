@@ -2,24 +2,29 @@
 
 Built from configs with random weights; nothing is downloaded. Each mesh (4,
 and 2x2 for the training cases) runs one group of processes for all its cases:
-every family in eval and in train mode
-(dropout 0) under the ILP's plan, Llama under Hugging Face's own tensor-parallel
-plan, and the shapes that stress sharding (fewer K/V heads than devices, a head
-count and a vocabulary the mesh does not divide).
+every family in eval and in train mode under the ILP's plan, Llama under
+Hugging Face's own tensor-parallel plan, and the shapes that stress sharding
+(fewer K/V heads than devices, a head count and a vocabulary the mesh does not
+divide). Training runs with every dropout of the config at 0.1, attention's
+included, from the single device's seed: split dropout draws the single
+device's masks (`autotp.lower.random_ops`), so outputs and gradients match.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autotp
 import hf_models
 from autotp.interop import hf_tp_plan_pins
+from autotp.placement import Shard
 from autotp.runtime import spawn
 from autotp.runtime.verify import max_errors
 from conftest import compute_bound_profile
 
 TOLERANCE = 1e-5
+DROPOUT = 0.1  # in training
 MATMULS = ("linear", "mm", "bmm", "matmul", "addmm")
 
 
@@ -31,8 +36,12 @@ CASES = [(name, {}, train, "ilp") for name in hf_models.FAMILIES for train in (F
 ]
 
 
+def _build(name, overrides, train):
+    return hf_models.build(name, train, **overrides, dropout=DROPOUT if train else 0.0)
+
+
 def _plan(name, overrides, train, kind, mesh):
-    model, args, kwargs = hf_models.build(name, train, **overrides)
+    model, args, kwargs = _build(name, overrides, train)
     if kind == "hf_tp_plan":
         return autotp.plan(model, mesh, args, kwargs, pin=hf_tp_plan_pins(model, mesh.ndim))
     return autotp.plan(model, mesh, args, kwargs, profile=compute_bound_profile())
@@ -41,7 +50,7 @@ def _plan(name, overrides, train, kind, mesh):
 def _run(rank, world, cases):
     out = []
     for name, overrides, train, kind, plan in cases:
-        model, args, kwargs = hf_models.build(name, train, **overrides)
+        model, args, kwargs = _build(name, overrides, train)
         out.append(max_errors(model, plan, args, rank, kwargs=kwargs))
     return out
 
@@ -63,6 +72,23 @@ def test_logits_and_every_gradient_match(results):
             assert err["output"] <= TOLERANCE, f"{where}: output error {err['output']:.2e}"
             assert err["gradient"] <= TOLERANCE, f"{where}: gradient error {err['gradient']:.2e}"
             assert err["parameters"] > 0, where
+
+
+def test_training_plans_split_their_random_ops(results):
+    """The dropout check proves something only where a random op's output is split: each training case under
+    the ILP's plan splits one (batch or heads), and the dropout really changes the loss. (Under Hugging Face's
+    plan Llama's grouped-query attention, its only dropout, runs whole.)"""
+    mesh, cases, _ = results
+    for name, overrides, train, kind, plan in cases:
+        if not train or kind != "ilp":
+            continue
+        split = [n for n, e in plan.nodes.items() if e.op.split(".")[0] in ("dropout", "scaled_dot_product_attention")
+                 and any(isinstance(p, Shard) for p in e.out_layout())]
+        assert split, f"{name}{overrides or ''} ({kind}) on {mesh}: no random op split"
+    model, args, kwargs = _build("gpt2", {}, True)
+    torch.manual_seed(1)
+    dropped = model(*args, **kwargs).loss
+    assert abs(float(dropped) - float(model.eval()(*args, **kwargs).loss)) > 1e-3, "dropout changed nothing"
 
 
 def test_no_matmul_falls_back(results):

@@ -2,15 +2,18 @@
 
 ``max(flops / (peak[dtype] * matmul_efficiency), bytes / (hbm_bw * memory_efficiency)) + launch``,
 times ``1 + backward_compute_factor`` when the op is differentiated in training.
-Views cost nothing: no kernel runs.
+Views cost nothing: no kernel runs. A split random op also draws its whole tensor.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from autotp.graph.flops import is_alias, op_bytes, op_flops
 from autotp.graph.opgraph import KIND_OP, TensorMeta
+from autotp.graph.random import SDPA, draws_whole
 from autotp.placement import local_shape
 
 
@@ -33,8 +36,20 @@ def forward_time_s(op, strategy, mesh, profile) -> float:
     outs = local_metas(op.out, [strategy.out] * len(op.out), shape)
     dev = profile.device
     flops_s = op_flops(op.target, ins, outs) / (profile.peak_flops(_compute_dtype(op)) * dev["matmul_efficiency"])
-    bytes_s = op_bytes(op.target, ins, outs) / (dev["memory_bandwidth_Bps"] * dev["memory_efficiency"])
+    bytes_s = (op_bytes(op.target, ins, outs) + _whole_draw_bytes(op, strategy, shape)) / (
+        dev["memory_bandwidth_Bps"] * dev["memory_efficiency"])
     return max(flops_s, bytes_s) + dev["launch_overhead_s"]
+
+
+def _whole_draw_bytes(op, strategy, mesh_shape) -> int:
+    """The bytes a split random op writes drawing its whole tensor (`autotp.lower.random_ops`), beyond its
+    piece's: the whole noise (and the ones it is drawn on), for attention the whole weights' mask."""
+    if not draws_whole(op.target, op.args, op.kwargs, strategy.out, mesh_shape):
+        return 0
+    if op.target == SDPA:
+        q, k = op.in_metas[0], op.in_metas[1]
+        return 2 * math.prod((*q.shape[:-1], k.shape[-2])) * q.dtype.itemsize
+    return 2 * op.in_metas[0].nbytes
 
 
 def compute_time_s(op, strategy, mesh, profile, training: bool) -> float:

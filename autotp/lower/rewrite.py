@@ -34,6 +34,8 @@ from autotp.lower.collective_matmul import fuse_collective_matmuls
 from autotp.lower.collectives import AxisComm, Collective, CollectiveChain
 from autotp.lower.entry import InputEntry
 from autotp.lower.impls import build_impl
+from autotp.graph.random import draws_whole
+from autotp.lower.random_ops import whole_draw
 from autotp.lower.local_args import local_target, localize_args
 from autotp.lower.pending import wait_at_first_use
 from autotp.lower.recompute import recompute_layers
@@ -259,6 +261,11 @@ def _rewrite_inputs(low: _Lowerer, node: fx.Node, entry) -> None:
     if entry.impl:
         _use_impl(low, node, entry, inputs)
         return
+    if draws_whole(node.target, node.args, node.kwargs, entry.out_layout(), low.mesh.shape):
+        module = whole_draw(node.target, node.args, dict(node.kwargs), [n.meta["val"] for n in inputs],
+                            entry.out_layout(), low.mesh.shape, low.coords)
+        _call_module(low, node, f"whole_draw_{node.name}", module)
+        return
     meta = meta_of(node.meta["val"])
     if isinstance(meta, TensorMeta):
         node.args = localize_args(node.target, node.args, local_shape(meta.shape, entry.out_layout(), low.mesh.shape))
@@ -284,7 +291,11 @@ def _use_impl(low: _Lowerer, node: fx.Node, entry, inputs) -> None:
     shapes = [tuple(meta_of(n.meta["val"]).shape) for n in inputs]
     module = build_impl(entry.impl, node.target, node.args, dict(node.kwargs), entry.in_layouts(), shapes,
                         low.coords, low.mesh.shape, low.comms)
-    name = f"{entry.impl}_{node.name}"
+    _call_module(low, node, f"{entry.impl}_{node.name}", module)
+
+
+def _call_module(low: _Lowerer, node: fx.Node, name: str, module) -> None:
+    """Make ``node`` a call of ``module`` (added as ``name``) on its tensor arguments, in order."""
     low.gm.add_submodule(name, module)
     node.op, node.target = "call_module", name
     node.args, node.kwargs = tuple(a for a in pytree.tree_leaves(node.args) if isinstance(a, fx.Node)), {}

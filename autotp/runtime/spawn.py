@@ -12,6 +12,7 @@ up on its own even without the parent.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import queue as queue_module
 import signal
@@ -48,6 +49,9 @@ def _worker(rank, world, port, fn, args, queue, pg_timeout_s):
     except BaseException:  # noqa: BLE001 - report any failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
+        # what ``fn`` built (modules holding process groups) goes while Python is whole: a gloo group left to
+        # interpreter shutdown can abort the process ("terminate called without an active exception")
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 

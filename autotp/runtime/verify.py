@@ -12,6 +12,8 @@ gradients in the hundreds), then divided by how much looser
 than for float32 (bfloat16: 1.6e-2 / 1.3e-6), so one tolerance reads in
 float32 terms for every dtype. A tensor whose shape or dtype differs from the
 single device's is a mismatch (an infinite error), named in ``"mismatches"``.
+Both sides start from the same generator state, so dropout draws the same
+masks (`autotp.lower.random_ops`): models are checked with dropout on.
 """
 
 from __future__ import annotations
@@ -78,10 +80,12 @@ def max_errors(model: torch.nn.Module, plan, inputs, rank: int, groups=None, kwa
 
     kwargs = kwargs or {}
     reference = copy.deepcopy(model)
+    rng = torch.get_rng_state()  # both sides draw their random ops (dropout) from the same generator state
     ref_out = _tensors(reference(*inputs, **kwargs))
     upstream = _upstream(ref_out)
     _loss(ref_out, upstream).backward()
     local = parallelize(model, plan, rank=rank, groups=groups)
+    torch.set_rng_state(rng)
     out = _tensors(local(*inputs, **kwargs))
     coords, shape = plan.mesh.coords(rank), plan.mesh.shape
     layouts = [parse_layout(layout) for layout in plan.io.get("outputs") or [("R",) * plan.mesh.ndim] * len(ref_out)]

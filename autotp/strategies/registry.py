@@ -40,7 +40,8 @@ def default_registry() -> dict:
     add(["mm"], matmul.mm_rule)
     add(["bmm"], matmul.bmm_rule)
     add(["matmul"], matmul.matmul_rule)
-    add(_UNARY + ("dropout", "pow"), pointwise.unary_rule)
+    add(_UNARY + ("dropout", "feature_dropout", "pow", "rand_like", "randn_like"), pointwise.unary_rule)
+    reg[aten.bernoulli.p] = RuleEntry(pointwise.unary_rule)  # a fixed p: the values drawn ignore the input's
     add(_LINEAR_UNARY + ("to", "type_as"), pointwise.linear_unary_rule)
     add(["add", "sub"], pointwise.add_rule)
     add(["mul"], pointwise.mul_rule)
