@@ -99,7 +99,10 @@ def parse_model(model: str, overrides: dict | None = None, settings: list[str] |
 
 
 def _config_class(arch: str):
-    transformers = importlib.import_module("transformers")
+    try:
+        transformers = importlib.import_module("transformers")
+    except ImportError as exc:
+        raise ModelSpecError(f"hf:{arch} needs the transformers package ({exc}): pip install 'autotp[hf]'") from None
     config_name, model_name = HF_ARCHITECTURES[arch]
     return getattr(transformers, config_name), getattr(transformers, model_name)
 
@@ -153,13 +156,17 @@ def _build_hf(spec: ModelSpec, meta: bool, training: bool):
     config_cls, model_cls = _config_class(spec.model[len(HF_PREFIX):])
     defaults = config_cls().to_dict()
     # fields go to the constructor, which derives others from them (head_dim from hidden_size and heads)
-    fields = {k: 0.0 for k, v in defaults.items()  # no dropout: a plan is checked against the unsplit model
-              if isinstance(v, float) and ("dropout" in k or "pdrop" in k)}
-    fields.update({k: max(defaults[k], spec.seq) for k in _POSITIONS if isinstance(defaults.get(k), int)})
+    # dropout stays as the config has it: split dropout draws the single device's masks, so verify checks it
+    fields = {k: max(defaults[k], spec.seq) for k in _POSITIONS if isinstance(defaults.get(k), int)}
     fields.update(spec.config)
     vocab = fields.get("vocab_size", defaults.get("vocab_size"))
     fields.update({k: 0 for k in _SPECIAL_TOKENS if isinstance(defaults.get(k), int) and defaults[k] >= vocab})
-    config = config_cls(**fields)
+    try:
+        config = config_cls(**fields)
+    except Exception as exc:  # noqa: BLE001 - transformers validates configs with several exception types
+        reason = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+        raise ModelSpecError(f"transformers rejects this {spec.model} config: {reason[-1].rstrip('.')}: change the sizes "
+                             "(e.g. --hidden a multiple of --heads)") from None
     device = torch.device("meta") if meta else torch.device("cpu")
     with device:
         model = model_cls(config)

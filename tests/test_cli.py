@@ -167,3 +167,15 @@ def test_python_m_autotp_runs_the_cli_and_a_closed_pipe_ends_quietly(factory_fil
     assert first.strip(), errors
     assert "Traceback" not in errors and "BrokenPipeError" not in errors, errors
     assert code in (0, 141), (code, errors)
+
+
+def test_hf_configs_transformers_rejects_or_cannot_build_are_one_line():
+    """A config transformers rejects, and hf: without transformers installed: one line naming the fix, exit 2."""
+    rejected = run("plan", "hf:llama", "--heads", "5", "--hidden", "64", "--layers", "1", "--mesh", "2")
+    missing = subprocess.run([sys.executable, "-c", "import sys; sys.modules['transformers'] = None; "
+                              "from autotp.cli import main; sys.exit(main(['plan', 'hf:llama', '--mesh', '2']))"],
+                             capture_output=True, text=True)
+    for done, says in ((rejected, "not a multiple of the number of attention heads"), (missing, "pip install")):
+        errors = [line for line in done.stderr.splitlines() if line.startswith("autotp: error:")]
+        assert done.returncode == 2 and len(errors) == 1 and says in errors[0], done.stderr[-2000:]
+        assert "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -66,7 +66,7 @@ def test_hf_models_build_the_same_real_weights_in_every_process_and_meta_when_pl
     (a, args, kwargs), (b, _, _) = build(spec, meta=False), build(spec, meta=False)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert args[0].shape == (2, 8) and torch.equal(kwargs["labels"], args[0])
-    assert a.config.n_positions >= 8 and a.config.resid_pdrop == 0.0
+    assert a.config.n_positions >= 8 and a.config.resid_pdrop == 0.1  # the config's dropout: verify checks it
     meta, _, _ = build(spec, meta=True, training=False)
     assert all(p.is_meta for p in meta.parameters()) and not meta.training
 
