@@ -187,6 +187,23 @@ def _splits(checked: Plan) -> bool:
     return any(p.startswith("S(") for layout in layouts for p in layout)
 
 
+def _check_inputs_fit(checked: Plan, inputs, kwargs, spec) -> None:
+    """Refuse, before any process starts, a model whose example inputs are not the ones the plan was made for
+    (every rank would die in its first reshape)."""
+    from autotp.capture.export import example_specs
+
+    given = example_specs(tuple(inputs), kwargs)
+    planned = {k: checked.inputs.get(k) for k in ("args", "kwargs")}
+    if given == planned:
+        return
+    shapes = lambda specs: ", ".join(  # noqa: E731
+        [str(s.get("shape", s.get("value"))) for s in specs["args"]]
+        + [f"{k}={s.get('shape', s.get('value'))}" for k, s in sorted(specs["kwargs"].items())])
+    hint = " (for hf: models, --batch and --seq)" if spec.kind == "hf" else ""
+    raise UsageError(f"the plan was made for inputs {shapes(planned)}, but {spec.model} builds "
+                     f"{shapes(given)}: build the model at the plan's shapes{hint}, or plan again at these")
+
+
 def cmd_verify(args) -> int:
     """Run the plan on N gloo processes against the single-device model; exit 1 on a mismatch."""
     from autotp.runtime import spawn
@@ -203,6 +220,7 @@ def cmd_verify(args) -> int:
     else:
         checked = plan(model, Mesh(args.mesh, links=args.links), inputs, kwargs, profile=args.profile,
                        progress=stages)
+    _check_inputs_fit(checked, inputs, kwargs, spec)
     if not _splits(checked):
         print("warning: this plan splits nothing (every device runs the whole model and only gradient sums, if "
               "any, are checked): an OK says little; a larger model, or a profile in which splitting pays, gives a "

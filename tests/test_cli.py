@@ -179,3 +179,14 @@ def test_hf_configs_transformers_rejects_or_cannot_build_are_one_line():
         errors = [line for line in done.stderr.splitlines() if line.startswith("autotp: error:")]
         assert done.returncode == 2 and len(errors) == 1 and says in errors[0], done.stderr[-2000:]
         assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_verify_refuses_a_plan_made_for_other_shapes_before_starting_processes(tmp_path):
+    small = ["hf:llama", "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
+             "--vocab", "128", "--seq", "8"]
+    made = run("plan", *small, "--batch", "4", "--mesh", "2", "--json", str(tmp_path / "p.json"), "--quiet")
+    assert made.returncode == 0, made.stderr[-2000:]
+    other = run("verify", *small, "--batch", "2", "--plan", str(tmp_path / "p.json"))
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-2000:]
+    assert "plan was made for inputs [4, 8], labels=[4, 8], but hf:llama builds [2, 8]" in other.stderr
+    assert "--batch and --seq" in other.stderr and "running" not in other.stderr  # no process started
