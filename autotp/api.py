@@ -20,7 +20,7 @@ from autotp.materialize import check_materialized, prepare_weights
 from autotp.mesh import Mesh
 from autotp.progress import Stages, stages_or_silent
 from autotp.report.scopes import node_scopes
-from autotp.runtime.groups import mesh_groups
+from autotp.runtime.groups import device_mesh_groups, mesh_groups
 from autotp.runtime.mode import fix_mode
 from autotp.solve.assemble import assemble_plan, chosen_strategies, plan_memory
 from autotp.solve.constraints import apply_constraints
@@ -36,7 +36,21 @@ DEFAULT_PROFILE = "h100-hgx"
 
 
 def as_mesh(mesh) -> Mesh:
-    return mesh if isinstance(mesh, Mesh) else Mesh(mesh)
+    """An autotp `Mesh` from a `Mesh`, a shape (``"2x4"``) or a torch ``DeviceMesh`` (links nvlink: pass
+    ``Mesh.from_device_mesh(device_mesh, links=...)`` to name them)."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    if _is_device_mesh(mesh):
+        return Mesh.from_device_mesh(mesh)
+    return Mesh(mesh)
+
+
+def _is_device_mesh(mesh) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # torch without distributed
+        return False
+    return isinstance(mesh, DeviceMesh)
 
 
 def _as_tuple(example_inputs) -> tuple:
@@ -333,12 +347,15 @@ def _placeholder_grads(gm, args: tuple, kwargs: dict) -> dict[str, bool]:
     return {name: isinstance(leaf, torch.Tensor) and leaf.requires_grad for name, leaf in zip(names, leaves)}
 
 
-def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, batch_collectives: bool = False,
-                overlap: bool = False, counter=None, weights=None, device=None) -> torch.fx.GraphModule:
+def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, device_mesh=None,
+                batch_collectives: bool = False, overlap: bool = False, counter=None, weights=None,
+                device=None) -> torch.fx.GraphModule:
     """This rank's program for ``plan``: a GraphModule with sharded parameters and collectives.
 
     Call it on every rank of an initialised process group whose size is the
-    mesh's. The program runs in the plan's mode (``plan.training``): ``.train()``
+    mesh's, or, with ``device_mesh`` (a torch ``DeviceMesh`` of the plan's
+    shape, e.g. from ``init_device_mesh``, possibly a sub-mesh of a larger
+    world), on every rank of that mesh: its groups carry the collectives. The program runs in the plan's mode (``plan.training``): ``.train()``
     and ``.eval()`` accept that mode and refuse the other with a `PlanError`
     (`autotp.runtime.mode`). Each rank then calls the result with the whole inputs, or with
     its own piece of each (``plan.io["inputs"]``; `autotp.runtime.local_inputs`
@@ -356,6 +373,8 @@ def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, batc
     """
     import torch.distributed as dist
 
+    if device_mesh is not None:
+        groups, rank = device_mesh_groups(device_mesh, plan.mesh)
     groups = mesh_groups(plan.mesh) if groups is None else groups
     rank = dist.get_rank() if rank is None else rank
     args, kwargs = inputs_from_specs(plan.inputs, device=_device_of(model))

@@ -112,6 +112,12 @@ class Mesh:
     def from_dict(cls, d: dict) -> "Mesh":
         return cls(tuple(d["shape"]), names=d["names"], links=d["links"])
 
+    @classmethod
+    def from_device_mesh(cls, device_mesh, links=None) -> "Mesh":
+        """The mesh of a torch ``DeviceMesh``: its shape and dim names (the defaults when it has none), and
+        ``links``, one link class per axis, as for ``Mesh`` (default nvlink) -- torch's mesh does not say them."""
+        return cls(tuple(device_mesh.shape), names=device_mesh.mesh_dim_names, links=links)
+
     def __str__(self) -> str:
         axes = ", ".join(f"{n}={s}:{l}" for n, s, l in zip(self.names, self.shape, self.links))
         return f"Mesh({axes})"

@@ -30,3 +30,20 @@ def mesh_groups(mesh, rank: int | None = None) -> dict:
             if rank in ranks:
                 groups[axis] = group
     return groups
+
+
+def device_mesh_groups(device_mesh, mesh) -> tuple[dict, int]:
+    """``(groups, rank)`` for running a plan of ``mesh`` on a torch ``DeviceMesh``: each axis's process group,
+    the group of the whole mesh (for flat sums over every axis) and this rank's index in the mesh, which
+    may be a sub-mesh of a larger world (the world's other ranks run other work, or other replicas)."""
+    if tuple(device_mesh.shape) != tuple(mesh.shape):
+        raise MeshError(f"the device mesh has shape {tuple(device_mesh.shape)} but the plan is for {mesh}: plan for "
+                        "this mesh (autotp.plan accepts the DeviceMesh itself)")
+    coords = device_mesh.get_coordinate()
+    if coords is None:
+        raise MeshError(f"rank {dist.get_rank()} is not in the device mesh {device_mesh.mesh.tolist()}: call "
+                        "parallelize only on the mesh's ranks")
+    groups = {axis: device_mesh.get_group(axis) for axis in range(mesh.ndim)}
+    every = tuple(range(mesh.ndim))
+    groups[every] = groups[0] if mesh.ndim == 1 else device_mesh._flatten().get_group()
+    return groups, mesh.rank_of(coords)
