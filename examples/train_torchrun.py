@@ -76,6 +76,8 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)  # NCCL and every tensor made without a device go to this rank's GPU
     torch.set_num_threads(1)
     # a bounded timeout: a rank that dies ends the others instead of hanging them
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=120))
