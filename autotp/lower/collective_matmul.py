@@ -244,6 +244,10 @@ class GatherMatmul(nn.Module):
         self.gather, self.targets, self.shared, self.recomputed = gather, tuple(targets), shared, False
 
     def forward(self, x, *ws):
+        if torch.compiler.is_compiling():  # rings of point-to-point sends do not trace: one all-gather, then the matmuls
+            full = self.gather(x)
+            outs = [target(full, w) for target, w in zip(self.targets, ws)] + ([full] if self.shared else [])
+            return tuple(outs) if len(outs) > 1 else outs[0]
         count(self.gather.comm, "all_gather", x.numel() * x.element_size() * self.gather.comm.size)
         return _GatherMatmulFn.apply(x, self, *ws)
 
@@ -288,6 +292,8 @@ class MatmulScatter(nn.Module):
         self.scatter, self.target = scatter, target
 
     def forward(self, x, w):
+        if torch.compiler.is_compiling():  # rings of point-to-point sends do not trace: the matmul, one reduce-scatter
+            return self.scatter(self.target(x, w))
         out_bytes = x.numel() // x.shape[-1] * w.numel() // x.shape[-1] * x.element_size()
         count(self.scatter.comm, "reduce_scatter", out_bytes)
         return _MatmulScatterFn.apply(x, w, self)

@@ -41,12 +41,14 @@ class _Piece(nn.Module):
 
     def __init__(self, layout, mesh_shape, coords):
         super().__init__()
-        self.layout, self.mesh_shape, self.coords = tuple(layout), tuple(mesh_shape), tuple(coords)
+        dims = sorted({p.dim for p in layout if isinstance(p, Shard)})
+        # (dim, pieces, which): worked out once, so the forward pass is plain tensor code (torch.compile traces it)
+        self.cuts = tuple((d, shard_factor(layout, d, mesh_shape), shard_index(layout, d, coords, mesh_shape))
+                          for d in dims)
 
     def piece(self, full: torch.Tensor) -> torch.Tensor:
-        for dim in sorted({p.dim for p in self.layout if isinstance(p, Shard)}):
-            index = shard_index(self.layout, dim, self.coords, self.mesh_shape)
-            full = full.chunk(shard_factor(self.layout, dim, self.mesh_shape), dim=dim)[index]
+        for dim, pieces, which in self.cuts:
+            full = full.chunk(pieces, dim=dim)[which]
         return full
 
 
