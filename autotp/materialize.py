@@ -6,11 +6,10 @@ names) to tensors on storage and reads only the part one device holds:
 - `StateDictSource`: a full state dict, in memory or opened with
   ``torch.load(path, mmap=True)`` (then only the pages of this rank's shard are
   read from the file);
-- `SafetensorsSource`: ``.safetensors`` files read by hand (an 8-byte
-  little-endian header length, a JSON header of dtype, shape and data offsets,
-  then raw little-endian data). A dim-0 shard is one contiguous read; a shard
-  of another dim is one read per contiguous run, straight into the output
-  tensor, so no full tensor is ever buffered.
+- `SafetensorsSource`: ``.safetensors`` files, read with the ``safetensors``
+  library: each read maps the file (``safe_open``), copies this rank's block
+  out of it (``get_slice(name)[rows, cols]``, which touches only the pages the
+  block covers) and unmaps it, so no full tensor is ever buffered.
 
 ``autotp.parallelize(meta_model, plan, weights=source)`` captures the model on
 the ``meta`` device and takes every parameter shard from the source.
@@ -27,15 +26,13 @@ that is an error naming it, never a silent zero.
 from __future__ import annotations
 
 import contextlib
-import itertools
-import json
-import math
-import struct
 import sys
 from pathlib import Path
 
 import torch
 import torch.fx as fx
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch.utils import _pytree as pytree
 
 from autotp.errors import MaterializeError
@@ -81,22 +78,18 @@ _SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-_SAFETENSORS_NAMES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 
 
-def read_safetensors_header(path) -> tuple[dict, int]:
-    """The JSON header of a ``.safetensors`` file and the file offset where its data starts."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise MaterializeError(f"{path} is not a safetensors file (shorter than 8 bytes); pass the right path")
-        (length,) = struct.unpack("<Q", raw)
-        try:
-            header = json.loads(f.read(length))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise MaterializeError(f"{path} has a corrupt safetensors header ({exc}); re-write the file") from None
-    header.pop("__metadata__", None)
-    return header, 8 + length
+@contextlib.contextmanager
+def _open_safetensors(path):
+    """``safe_open(path)`` for the length of the block; a broken file is a `MaterializeError` naming it."""
+    try:
+        handle = safe_open(path, framework="pt")
+    except SafetensorError as exc:
+        raise MaterializeError(f"{path} is not a readable safetensors file ({exc}): re-write it, "
+                               "or pass the right path") from None
+    with handle:
+        yield handle
 
 
 class SafetensorsSource:
@@ -110,78 +103,53 @@ class SafetensorsSource:
         files = [f for p in map(Path, paths) for f in (sorted(p.glob("*.safetensors")) if p.is_dir() else [p])]
         if not files:
             raise MaterializeError(f"no .safetensors files in {paths}; pass the files or their directory")
-        self.entries: dict[str, tuple[Path, int, tuple[int, ...], torch.dtype]] = {}
+        self.entries: dict[str, tuple[Path, tuple[int, ...], torch.dtype]] = {}
         for path in files:
-            header, data_start = read_safetensors_header(path)
-            for name, info in header.items():
-                if info["dtype"] not in _SAFETENSORS_DTYPES:
-                    raise MaterializeError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which autotp does not "
-                                           f"read (supported: {', '.join(_SAFETENSORS_DTYPES)})")
-                begin = data_start + info["data_offsets"][0]
-                self.entries[name] = (path, begin, tuple(info["shape"]), _SAFETENSORS_DTYPES[info["dtype"]])
+            with _open_safetensors(path) as f:
+                for name in f.keys():
+                    view = f.get_slice(name)
+                    dtype = _SAFETENSORS_DTYPES.get(view.get_dtype())
+                    if dtype is None:
+                        raise MaterializeError(f"{path}: tensor {name!r} has dtype {view.get_dtype()}, which autotp "
+                                               f"does not read (supported: {', '.join(_SAFETENSORS_DTYPES)})")
+                    self.entries[name] = (path, tuple(view.get_shape()), dtype)
 
     def names(self) -> set[str]:
         return set(self.entries)
 
     def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-        _, _, shape, dtype = self.entries[name]
+        _, shape, dtype = self.entries[name]
         return shape, dtype
 
     def read(self, name: str, ranges) -> torch.Tensor:
-        """Read the block ``ranges`` of one tensor: one ``readinto`` per contiguous run of bytes."""
-        path, begin, shape, dtype = self.entries[name]
-        out = torch.empty([b - a for a, b in ranges], dtype=dtype)
-        if out.numel() == 0:
-            return out
-        runs = _contiguous_runs(shape, ranges, dtype.itemsize)
-        buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
-        with open(path, "rb", buffering=0) as f:
-            written = 0
-            for offset, length in runs:
-                f.seek(begin + offset)
-                if f.readinto(buffer[written:written + length]) != length:
-                    raise MaterializeError(f"{path} ends inside tensor {name!r}: the file is truncated; re-write it")
-                written += length
-        return out
+        """Copy the block ``ranges`` of one tensor out of its memory-mapped file, touching only the pages it covers.
 
-
-def _contiguous_runs(shape, ranges, itemsize: int) -> list[tuple[int, int]]:
-    """(byte offset, byte length) of each contiguous run of a row-major block, in order.
-
-    Trailing dims taken whole merge into the run; e.g. rows 4..8 of ``[8, 6]``
-    float32 are one run ``(96, 96)``; columns 3..6 are 8 runs of 12 bytes.
-    """
-    last = len(shape) - 1
-    while last > 0 and ranges[last] == (0, shape[last]):
-        last -= 1
-    inner = math.prod(shape[last + 1:]) * itemsize  # bytes of one step along dim `last`
-    strides = [math.prod(shape[d + 1:]) * itemsize for d in range(len(shape))]
-    start, stop = ranges[last] if shape else (0, 1)
-    runs = []
-    for outer in itertools.product(*[range(a, b) for a, b in ranges[:last]]):
-        base = sum(i * s for i, s in zip(outer, strides))
-        runs.append((base + start * inner, (stop - start) * inner))
-    return runs
+        The file stays mapped for this read only, and the copy owns its
+        memory: no mapping outlives the call.
+        """
+        path, _, _ = self.entries[name]
+        with _open_safetensors(path) as f:
+            block = f.get_slice(name)[tuple(slice(a, b) for a, b in ranges)]  # a view into the mapping
+            return block.clone(memory_format=torch.contiguous_format)
 
 
 def save_safetensors(tensors: dict, path) -> None:
-    """Write ``tensors`` as one ``.safetensors`` file, atomically (for tests, examples and benchmarks)."""
+    """Write ``tensors`` as one ``.safetensors`` file, atomically (for tests, examples and benchmarks).
+
+    Tensors that share memory (tied weights) are each written whole, under every name.
+    """
     from autotp.fileio import atomic_path
 
-    header, offset = {}, 0
+    dense, storages = {}, set()
     for name, t in tensors.items():
-        if t.dtype not in _SAFETENSORS_NAMES:
+        if t.dtype not in _SAFETENSORS_DTYPES.values():
             raise MaterializeError(f"tensor {name!r} has dtype {t.dtype}, which safetensors files here cannot hold")
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": _SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for t in tensors.values():
-            f.write(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        t = t.detach().cpu().contiguous()
+        storage = t.untyped_storage().data_ptr()
+        dense[name] = t.clone() if storage in storages else t  # save_file refuses tensors that share memory
+        storages.add(storage)
+    with atomic_path(path) as tmp:
+        save_file(dense, tmp)
 
 
 def load_shard(source, name: str, like: torch.Tensor, layout, mesh_shape, coords, device=None) -> torch.Tensor:

@@ -7,6 +7,10 @@ safetensors file, on a 2x2 mesh.
 
 from __future__ import annotations
 
+import json
+import re
+import struct
+
 import pytest
 import torch
 
@@ -16,8 +20,8 @@ import hf_models
 from autotp.errors import MaterializeError
 from autotp.lower import shard_tensor
 from autotp.lower.rewrite import parameter_aliases
-from autotp.materialize import (SafetensorsSource, StateDictSource, empty_parameters, load_shard,
-                                read_safetensors_header, save_safetensors, shard_ranges)
+from autotp.materialize import (SafetensorsSource, StateDictSource, empty_parameters, load_shard, save_safetensors,
+                                shard_ranges)
 from autotp.placement import parse_layout
 from autotp.runtime import spawn
 from autotp.runtime.verify import scaled_error
@@ -60,11 +64,40 @@ def test_sources_read_exactly_the_shards_shard_tensor_cuts(weights):
 
 def test_safetensors_file_is_the_standard_format(weights):
     tensors, path = weights
-    header, data_start = read_safetensors_header(path)
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])  # read by hand: an 8-byte length, a JSON header, the data
+    header, data_start = json.loads(raw[8:8 + length]), 8 + length
     assert data_start % 8 == 0
-    assert header["bf"] == {"dtype": "BF16", "shape": [4, 8, 4], "data_offsets": [8 * 12 * 4 * 4, 8 * 12 * 4 * 4 + 256]}
-    raw = path.read_bytes()[data_start:data_start + 8 * 12 * 4 * 4]
-    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(8, 12, 4), tensors["w3"])
+    begin, end = header["bf"].pop("data_offsets")
+    assert header["bf"] == {"dtype": "BF16", "shape": [4, 8, 4]} and end - begin == 256
+    begin, end = header["w3"]["data_offsets"]
+    w3 = torch.frombuffer(bytearray(raw[data_start + begin:data_start + end]), dtype=torch.float32)
+    assert torch.equal(w3.reshape(8, 12, 4), tensors["w3"])
+
+
+def test_tied_tensors_are_saved_under_each_name(tmp_path):
+    weight = torch.randn(6, 4)
+    save_safetensors({"embed.weight": weight, "head.weight": weight, "head.t": weight.t()}, tmp_path / "t.safetensors")
+    source = SafetensorsSource(tmp_path / "t.safetensors")
+    assert source.spec("head.t") == ((4, 6), torch.float32)
+    for name, want in (("embed.weight", weight), ("head.weight", weight), ("head.t", weight.t())):
+        assert torch.equal(source.read(name, [(0, s) for s in want.shape]), want), name
+
+
+def test_broken_safetensors_files_name_the_file_and_the_way_out(weights, tmp_path):
+    _, path = weights
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    broken = {"short": b"abc", "header": raw[:8] + b"{" * length + raw[8 + length:], "truncated": raw[:-10]}
+    for what, content in broken.items():
+        bad = tmp_path / f"{what}.safetensors"
+        bad.write_bytes(content)
+        with pytest.raises(MaterializeError, match=re.escape(f"{bad} is not a readable safetensors file (")
+                           + r".*\): re-write it, or pass the right path"):
+            SafetensorsSource(bad)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MaterializeError, match="no .safetensors files in"):
+        SafetensorsSource(tmp_path / "empty")
 
 
 def test_bad_weights_name_the_tensor(weights):
