@@ -16,7 +16,7 @@ from autotp.cost.profile import load_profile
 from autotp.errors import MemoryLimitError, PlanError
 from autotp.graph import build_opgraph
 from autotp.lower import lower
-from autotp.materialize import check_materialized, prepare_weights
+from autotp.materialize import StateDictSource, check_materialized, prepare_weights
 from autotp.mesh import Mesh
 from autotp.progress import Stages, stages_or_silent
 from autotp.report.scopes import node_scopes
@@ -370,6 +370,9 @@ def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, devi
     ``counter`` (an `autotp.lower.collectives.CommCounter`) records every collective issued.
     ``weights`` (an `autotp.materialize` source) supplies this rank's shards, so
     ``model`` may live on ``meta``; they are placed on ``device`` (default CPU).
+    ``device`` without ``weights`` cuts the shards out of ``model``'s own
+    weights and places them, its buffers and the tensors the program creates
+    on ``device`` (``cuda:<local rank>``), leaving ``model`` where it is.
     """
     import torch.distributed as dist
 
@@ -380,10 +383,13 @@ def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, devi
     args, kwargs = inputs_from_specs(plan.inputs, device=_device_of(model))
     gm = capture(model, args, kwargs, replay_layers=replays_layers(plan))
     graph = build_opgraph(gm, _placeholder_grads(gm, args, kwargs))
-    loader = prepare_weights(gm, weights, plan.mesh.shape, device) if weights is not None else None
+    if weights is None and device is not None:  # the model's own weights, each rank's shards moved to device
+        weights = StateDictSource(model.state_dict())
+    loader = (prepare_weights(gm, weights, plan.mesh.shape, device, captured_on=_device_of(model))
+              if weights is not None else None)
     local = lower(gm, plan, rank, groups, graph=graph, batch=batch_collectives, overlap=overlap, counter=counter,
                   load_shard=loader)
-    if weights is not None:
+    if weights is not None and torch.device(device or "cpu").type != "meta":  # meta asked for: nothing to check
         check_materialized(local)
     return fix_mode(local, plan.training)
 

@@ -199,21 +199,21 @@ def empty_parameters():
         torch.nn.Module.register_parameter = original
 
 
-def retarget_device(gm: fx.GraphModule, device) -> None:
-    """Make ops captured on the ``meta`` device create their tensors on ``device`` instead.
+def retarget_device(gm: fx.GraphModule, device, captured_on=META) -> None:
+    """Make ops captured on the ``meta`` device (or ``captured_on``) create their tensors on ``device`` instead.
 
     Export records the device of factory calls (``arange``, ``to``, ...) as it
     traced them; a model captured on ``meta`` would otherwise build ``meta``
-    tensors at run time.
+    tensors at run time, one captured on the CPU CPU tensors on a GPU rank.
     """
-    device = torch.device(device)
-    swap = lambda a: device if isinstance(a, torch.device) and a == META else a  # noqa: E731
+    device, sources = torch.device(device), {META, torch.device(captured_on)}
+    swap = lambda a: device if isinstance(a, torch.device) and a in sources else a  # noqa: E731
     for node in gm.graph.nodes:
         node.args, node.kwargs = pytree.tree_map(swap, (node.args, dict(node.kwargs)))
     gm.recompile()
 
 
-def materialize_buffers(gm: fx.GraphModule, source, device) -> None:
+def materialize_buffers(gm: fx.GraphModule, source, device, captured_on=META) -> None:
     """Fill every buffer of the captured ``gm``: from ``source`` when it has the name, else keep a real one.
 
     A buffer that is neither in ``source`` nor real raises `MaterializeError`.
@@ -231,7 +231,7 @@ def materialize_buffers(gm: fx.GraphModule, source, device) -> None:
                 f"buffer {name!r} is on the meta device and not in the weights: build the model under "
                 "autotp.materialize.empty_parameters() so __init__ computes it, or add it to the weights")
         owner._buffers[leaf] = value.to(device)
-    retarget_device(gm, device)
+    retarget_device(gm, device, captured_on)
 
 
 def check_materialized(module: torch.nn.Module) -> None:
@@ -242,10 +242,11 @@ def check_materialized(module: torch.nn.Module) -> None:
                                "pass weights that hold them")
 
 
-def prepare_weights(gm: fx.GraphModule, source, mesh_shape, device=None):
-    """Fill ``gm``'s buffers from ``source`` and return the ``load_shard`` callback `lower` takes."""
+def prepare_weights(gm: fx.GraphModule, source, mesh_shape, device=None, captured_on=META):
+    """Fill ``gm``'s buffers from ``source`` and return the ``load_shard`` callback `lower` takes; tensors the
+    program creates go to ``device`` too (``captured_on``: the device the model was captured on)."""
     device = torch.device(device or "cpu")
-    materialize_buffers(gm, source, device)
+    materialize_buffers(gm, source, device, captured_on)
 
     def loader(name, param, layout, coords):
         return load_shard(source, name, param, layout, mesh_shape, coords, device)
