@@ -11,7 +11,9 @@ meta device:
   megatron, megatron with sequence parallelism), each a point of its search
   space costed by the same model. The first six cases are the table of the
   issue that asked for this (Llama 4x512 and Mistral 4x1024, batch 8x128);
-* layer sharing and layer replay change nothing: the same optimum without them.
+* layer sharing and layer replay change nothing: the same optimum without
+  them (without sharing on the mesh of 4 only: on 2x2 the unshared ILP takes
+  a minute to solve on this machine).
 """
 
 from __future__ import annotations
@@ -94,13 +96,15 @@ def test_autotp_is_no_slower_than_any_baseline(case):
         assert plan.predicted["total_s"] <= seconds * (1 + 1e-9), (name, plan.predicted["total_s"], seconds)
 
 
-@pytest.mark.parametrize("mesh, links", [("4", "nvlink"), ("2x2", "nvlink,nvlink")])
-def test_layer_sharing_and_replay_keep_the_optimum(mesh, links):
+# the unshared ILP of the 2x2 mesh (176,000 variables) takes a minute to solve here: on 2x2 only replay is checked
+@pytest.mark.parametrize("mesh, links, ways", [("4", "nvlink", ((True, True), (False, True), (True, False))),
+                                               ("2x2", "nvlink,nvlink", ((True, True), (True, False)))])
+def test_layer_sharing_and_replay_keep_the_optimum(mesh, links, ways):
     model, args, kwargs = _built(LLAMA_DEEP)
     mesh = autotp.Mesh(mesh, links=links)
     plans = {(share, replay): autotp.plan(model, mesh, args, kwargs, profile="h100-hgx", share_layers=share,
                                           replay_layers=replay)
-             for share, replay in ((True, True), (False, True), (True, False))}
+             for share, replay in ways}
     best = plans[True, True].predicted["objective_s"]
     assert plans[True, True].stats["capture"]["replayed"]  # 5 layers: traced 4 deep, the fifth replayed
     assert plans[True, True].ilp["shared_layers"] == 5
