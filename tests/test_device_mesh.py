@@ -13,7 +13,6 @@ plan's is refused with a `MeshError` that names both.
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autotp

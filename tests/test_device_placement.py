@@ -13,7 +13,6 @@ device's loss and every gradient to 1e-5.
 
 from __future__ import annotations
 
-import torch
 
 import autotp
 import hf_models
