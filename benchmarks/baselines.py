@@ -20,10 +20,10 @@ from autotp.report.baselines import NAMES, baseline_plans  # noqa: E402
 from test_optimal import CASES, _built, _name  # noqa: E402
 
 
-def main() -> None:
+def main(cases=CASES) -> None:
     print("| case | autotp | " + " | ".join(NAMES) + " | autotp / best | objective - total | plan s |")
     print("|---|---|" + "---|" * len(NAMES) + "---|---|---|")
-    for spec, mesh, links, profile in CASES:
+    for spec, mesh, links, profile in cases:
         model, args, kwargs = _built(spec)
         mesh = autotp.Mesh(mesh, links=links)
         started = time.perf_counter()

@@ -16,7 +16,9 @@ Per plan: the placement of each layer parameter on each axis (identical layers
 folded into one row), the predicted step time split into compute and
 communication, memory per device by term, and planning/solve times.
 
-Run: ``python benchmarks/big_plans.py [--only 70b-8,70b-4x8,175b-8x8] [--solver auto|cbc|highs] [--limit auto]``
+Run: ``python benchmarks/big_plans.py [--only 70b-8,70b-4x8,175b-8x8] [--solver auto|cbc|highs] [--limit auto]
+[--layers N]`` (the last: N layers instead of the model's 80 or 96, a quick check that the script runs, as
+tests/test_benchmarks.py does)
 """
 
 from __future__ import annotations
@@ -32,17 +34,17 @@ import shapes  # noqa: E402
 from autotp.report.collapse import collapse  # noqa: E402
 from autotp.units import format_bytes  # noqa: E402
 
-CASES = {  # name -> (builder, mesh, links, profile, memory limit)
-    "70b-8": (lambda: shapes.llama2_70b(batch=1), "8", None, "h100-hgx", None),
-    "70b-4x8": (lambda: shapes.llama2_70b(batch=4), "4x8", "ethernet,nvlink", "ethernet-2node", None),
-    "175b-8x8": (lambda: shapes.gpt3_175b(batch=8), "8x8", "ethernet,nvlink", "ethernet-2node", "80GB"),
+CASES = {  # name -> (builder, mesh, links, profile, memory limit); a builder takes layers=N or the model's own
+    "70b-8": (lambda **kw: shapes.llama2_70b(batch=1, **kw), "8", None, "h100-hgx", None),
+    "70b-4x8": (lambda **kw: shapes.llama2_70b(batch=4, **kw), "4x8", "ethernet,nvlink", "ethernet-2node", None),
+    "175b-8x8": (lambda **kw: shapes.gpt3_175b(batch=8, **kw), "8x8", "ethernet,nvlink", "ethernet-2node", "80GB"),
 }
 
 
-def report(name: str, solver: str = "auto", limit=None) -> None:
+def report(name: str, solver: str = "auto", limit=None, layers: int | None = None) -> None:
     build, mesh, links, profile, case_limit = CASES[name]
     limit = case_limit if limit is None else limit
-    model, args, kwargs = build()
+    model, args, kwargs = build(**({} if layers is None else {"layers": layers}))
     mesh = autotp.Mesh(mesh, links=links)
     print(f"\n### {name}: {type(model).__name__}, {sum(t.numel() for t in model.parameters()) / 1e9:.1f} B "
           f"parameters, mesh {mesh} ({profile}), batch x seq {tuple(args[0].shape)}"
@@ -73,14 +75,15 @@ def report(name: str, solver: str = "auto", limit=None) -> None:
         print(f"| {row.name} | {' | '.join(row.values)} | {row.count} |")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default=",".join(CASES))
     parser.add_argument("--solver", default="auto", choices=["auto", "cbc", "highs"])
     parser.add_argument("--limit", default=None, help="memory limit for every case, e.g. auto or 80GB")
-    args = parser.parse_args()
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (fewer: a quick check)")
+    args = parser.parse_args(argv)
     for name in args.only.split(","):
-        report(name, args.solver, args.limit)
+        report(name, args.solver, args.limit, args.layers)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ On this machine with 4 gloo processes, against a profile made by
    step time (forward + backward, median of 12 steps), and their Spearman rank
    correlation.
 
-Run: ``python benchmarks/cost_fidelity.py --profile cpu-2core-4proc``
+Run: ``python benchmarks/cost_fidelity.py --profile cpu-2core-4proc [--quick]``
+(``--quick``: 2 processes, two message sizes, 3 repeats, 2 steps after 1
+warm-up; a check that the script runs, as tests/test_benchmarks.py does; its
+figures mean nothing)
 """
 
 from __future__ import annotations
@@ -35,18 +38,19 @@ from models import GPT  # noqa: E402
 
 WORLD = 4
 SIZES = tuple(8192 * 4 ** i for i in range(7))  # 8 KiB .. 32 MiB: between the calibrated sizes
-STEPS, WARMUP = 12, 3
+FULL = dict(world=WORLD, sizes=SIZES, repeats=15, steps=12, warmup=3)  # repeats: per collective; steps: per plan
+QUICK = dict(world=2, sizes=SIZES[:2], repeats=3, steps=2, warmup=1)  # --quick
 
 
-def _measure_collectives(rank, world):
+def _measure_collectives(rank, world, sizes, repeats):
     group = dist.group.WORLD
-    return {(kind, n): collective_time_s(kind, n, world, group, torch.device("cpu"), repeats=15)
-            for kind in COLLECTIVES for n in SIZES}
+    return {(kind, n): collective_time_s(kind, n, world, group, torch.device("cpu"), repeats=repeats)
+            for kind in COLLECTIVES for n in sizes}
 
 
-def collective_table(profile) -> list[tuple]:
-    measured = spawn(_measure_collectives, WORLD)[0]
-    mesh = autotp.Mesh(WORLD, links="loopback")
+def collective_table(profile, sizes=SIZES, repeats=FULL["repeats"], world=WORLD) -> list[tuple]:
+    measured = spawn(_measure_collectives, world, sizes, repeats)[0]
+    mesh = autotp.Mesh(world, links="loopback")
     rows = []
     for (kind, n), seconds in measured.items():
         rows.append((kind, n, predicted_s(kind, 0, n, mesh, profile), seconds))
@@ -92,9 +96,9 @@ def linear_weights(layout: str):
     return allow
 
 
-def plans(profile) -> dict:
+def plans(profile, world=WORLD) -> dict:
     model, inputs = make_gpt()
-    mesh = autotp.Mesh(WORLD, links="loopback")
+    mesh = autotp.Mesh(world, links="loopback")
     plan = lambda **kw: autotp.plan(model, mesh, inputs, profile=profile, **kw)  # noqa: E731
     return {
         "autotp": plan(),
@@ -114,18 +118,18 @@ def _megatron_linears(op, strategy) -> bool:
     return isinstance(weight, autotp.Shard)
 
 
-def _measure_steps(rank, world, named_plans):
+def _measure_steps(rank, world, named_plans, steps=FULL["steps"], warmup=FULL["warmup"]):
     out = {}
     for name, plan in named_plans.items():
         model, inputs = make_gpt()
         local = autotp.parallelize(model, plan)
         samples = []
-        for step in range(WARMUP + STEPS):
+        for step in range(warmup + steps):
             dist.barrier()
             start = time.perf_counter()
             local(*inputs).backward()
             samples.append(time.perf_counter() - start)
-        t = torch.tensor([statistics.median(samples[WARMUP:])], dtype=torch.float64)
+        t = torch.tensor([statistics.median(samples[warmup:])], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out[name] = float(t)
     return out
@@ -153,14 +157,16 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--profile", default="cpu-2core-4proc")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="2 processes, few sizes, repeats and steps: a check")
+    args = parser.parse_args(argv)
     profile = autotp.load_profile(args.profile)
+    scale = QUICK if args.quick else FULL
 
-    rows = collective_table(profile)
-    print(f"Collectives on {WORLD} gloo processes, profile {profile.name}\n")
+    rows = collective_table(profile, scale["sizes"], scale["repeats"], scale["world"])
+    print(f"Collectives on {scale['world']} gloo processes, profile {profile.name}\n")
     print("| collective | message | predicted ms | measured ms | error |")
     print("|---|---|---|---|---|")
     errors = []
@@ -170,8 +176,8 @@ def main() -> None:
         print(f"| {kind} | {n >> 10} KiB | {pred * 1e3:.3f} | {meas * 1e3:.3f} | {err:+.0%} |")
     print(f"\nmedian absolute error: {statistics.median(errors):.1%} over {len(errors)} points\n")
 
-    named = plans(profile)
-    measured = spawn(_measure_steps, WORLD, named)[0]
+    named = plans(profile, scale["world"])
+    measured = spawn(_measure_steps, scale["world"], named, scale["steps"], scale["warmup"])[0]
     print("| plan | predicted ms | measured ms | forward collectives |")
     print("|---|---|---|---|")
     for name, plan in named.items():

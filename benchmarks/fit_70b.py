@@ -15,9 +15,10 @@ them), and the model FLOPs utilisation
 
 (the dense bf16 peak of an H100 SXM, as the issue that asked for it counts).
 
-Run: ``python benchmarks/fit_70b.py [--only 4x8-8,4x8-64,8-1] [--recompute-layers] [--micro-batches K]``
-(the second: any number of the layers recomputed, `plan(recompute="layers")`; the Megatron-style baseline
-keeps all or none; the third fixes the micro-batch count instead of searching it, which is quicker)
+Run: ``python benchmarks/fit_70b.py [--only 4x8-8,4x8-64,8-1] [--recompute-layers] [--micro-batches K]
+[--layers N]`` (the second: any number of the layers recomputed, `plan(recompute="layers")`; the Megatron-style
+baseline keeps all or none; the third fixes the micro-batch count instead of searching it, which is quicker; the
+last plans N of the 80 layers, a quick check that the script runs, as tests/test_benchmarks.py does)
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ CASES = {  # name -> (mesh, links, global batch)
 }
 
 
-def report(name: str, recompute=True, micro_batches="auto") -> None:
+def report(name: str, recompute=True, micro_batches="auto", layers: int = 80) -> None:
     mesh_shape, links, batch = CASES[name]
-    model, args, kwargs = shapes.llama2_70b(batch=batch)
+    model, args, kwargs = shapes.llama2_70b(layers=layers, batch=batch)
     params = sum(t.numel() for t in model.parameters())
     mesh = autotp.Mesh(mesh_shape, links=links)
     started = time.perf_counter()
@@ -65,7 +66,7 @@ def report(name: str, recompute=True, micro_batches="auto") -> None:
           f"ZeRO all-gathers {p['gather_hidden_s'] * 1e3:.1f}, tensor-parallel collectives behind their matmuls "
           f"{p['overlap_hidden_s'] * 1e3:.1f}); MFU {mfu:.1%}")
     print(f"levers: {plan.micro_batches} micro-batches of {batch // plan.micro_batches}; "
-          f"{len(plan.recompute)} of 80 layers recomputed; optimizer state split for "
+          f"{len(plan.recompute)} of {layers} layers recomputed; optimizer state split for "
           f"{len(plan.optimizer_sharding)} of {len(plan.parameters)} parameters "
           f"({', '.join(sorted({'+'.join(a) for a in plan.optimizer_sharding.values()})) or 'none'}), "
           f"the gradient too for {len(plan.gradient_sharding)} (ZeRO-2); gathered again in backward: "
@@ -81,7 +82,7 @@ def compare(model, mesh, args, kwargs, params: int, tokens: int, autotp_s: float
     """Megatron-LM's recipe costed in the same model: TP + SP on the fast axis, its distributed optimizer and
     recomputation as the limit needs them; the step as one micro-batch, and as micro-batches of one sequence
     per data-parallel rank (Megatron's usual micro-batch size). Then FSDP, one micro-batch a step."""
-    for k in dict.fromkeys((1, args[0].shape[0] // mesh.shape[0])):
+    for k in dict.fromkeys((1, max(1, args[0].shape[0] // mesh.shape[0]))):
         margs, mkwargs = micro_batch(args, kwargs, k)
         baseline, = baseline_plans(model, mesh, margs, mkwargs, names=("megatron-sp",), profile="h100-hgx",
                                    micro_batches=k)
@@ -103,7 +104,7 @@ def show(what: str, baseline, mesh, params: int, tokens: int, autotp_s: float) -
           f"{', '.join(p.regather) or 'nothing'}; autotp / {baseline.name} = {autotp_s / p.predicted['total_s']:.3f}")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default=",".join(CASES))
     parser.add_argument("--recompute-layers", dest="recompute", action="store_const", const="layers", default=True,
@@ -111,9 +112,10 @@ def main() -> None:
     parser.add_argument("--micro-batches", dest="micro_batches", default="auto",
                         type=lambda v: v if v == "auto" else int(v),
                         help="fix the number of micro-batches (default: the planner searches them)")
-    args = parser.parse_args()
+    parser.add_argument("--layers", type=int, default=80, help="decoder layers (fewer: a quick check)")
+    args = parser.parse_args(argv)
     for name in args.only.split(","):
-        report(name, args.recompute, args.micro_batches)
+        report(name, args.recompute, args.micro_batches, args.layers)
 
 
 if __name__ == "__main__":

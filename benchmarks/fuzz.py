@@ -4,7 +4,7 @@ Each case is checked on real gloo processes: outputs and every parameter
 gradient against the single-device model. A failing case prints a reproducer:
 ``tests/fuzz_models.py`` ``build(seed)`` with the mesh and the plan kind.
 
-Run: ``python benchmarks/fuzz.py [--cases 200] [--first-seed 0]``
+Run: ``python benchmarks/fuzz.py [--cases 200] [--first-seed 0] [--meshes 2,3,4]``
 """
 
 from __future__ import annotations
@@ -62,14 +62,16 @@ def run_cases(seeds, mesh_shape: str):
     return results, failures
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", type=int, default=200, help="checks in all: seeds x meshes x 2 plan kinds")
     parser.add_argument("--first-seed", type=int, default=0)
-    args = parser.parse_args()
-    seeds = list(range(args.first_seed, args.first_seed + max(1, args.cases // (2 * len(MESHES)))))
+    parser.add_argument("--meshes", default=",".join(MESHES), help="mesh shapes, comma-separated")
+    args = parser.parse_args(argv)
+    meshes = args.meshes.split(",")
+    seeds = list(range(args.first_seed, args.first_seed + max(1, args.cases // (2 * len(meshes)))))
     started, total, bad, fallbacks = time.perf_counter(), 0, [], Counter()
-    for mesh in MESHES:
+    for mesh in meshes:
         results, failures = run_cases(seeds, mesh)
         bad += [(seed, kind, mesh, why) for seed, kind, why in failures]
         for seed, kind, plan, err in results:

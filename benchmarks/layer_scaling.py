@@ -72,7 +72,7 @@ def svg_plot(rows: list[dict], path: Path, metric: str, label: str) -> None:
     path.write_text("\n".join(parts) + "\n")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", default="4,8,16,32,64,96")
     parser.add_argument("--unshared-up-to", type=int, default=32)
@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--solver", default="auto")
     parser.add_argument("--svg", type=Path, default=None, help="plot of solve time against depth")
     parser.add_argument("--plan-svg", type=Path, default=None, help="plot of whole-plan time against depth")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rows = []
     print("| layers | share_layers | replay_layers | ops | ILP groups | variables | capture s | solve s | "
           "plan s | objective ms |")

@@ -1,6 +1,6 @@
 """Peak memory of materialising one rank's shards, per weight source: is it about total/N + replicated?
 
-    python benchmarks/materialize_memory.py [--ranks 4] [--layers 4] [--hidden 1024]
+    python benchmarks/materialize_memory.py [--ranks 4] [--layers 4] [--hidden 1024] [--sources safetensors,mmap]
 
 Writes a Llama's initial weights (random, fixed seed; about 530 MB in float32
 at the defaults) as a ``torch.save`` file and a ``.safetensors`` file, plans
@@ -16,8 +16,10 @@ set just before the weights are opened (the peak is reset there through
 
 - ``state dict``: ``torch.load`` of the whole file, then shards cut from it;
 - ``mmap``: ``torch.load(..., mmap=True)``; file pages a read touches count as resident;
-- ``safetensors``: `autotp.materialize.SafetensorsSource`, one ``readinto`` per contiguous run;
+- ``safetensors``: `autotp.materialize.SafetensorsSource`, the file mapped for each block read (``safe_open``, ``get_slice``);
 - ``none``: no weights (the shards stay on ``meta``): what capturing and lowering cost on their own.
+
+``--sources`` measures only the sources named (default: all four).
 """
 
 from __future__ import annotations
@@ -99,13 +101,14 @@ def prepare(workdir: Path, args) -> dict:
     return {"total": total, "replicated": replicated, "expected": expected}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--sources", default=",".join(SOURCES), help="comma-separated, of: " + ", ".join(SOURCES))
     p.add_argument("--worker", nargs=3, metavar=("DIR", "SOURCE", "RANK"), help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.worker:
         workdir, source, rank = args.worker
         print(json.dumps(worker(Path(workdir), source, int(rank))))
@@ -117,7 +120,7 @@ def main() -> None:
               f"expected per rank (total - replicated) / N + replicated = {sizes['expected'] / MB:.0f} MB\n")
         print("| source | rank | peak growth MB | retained MB | shards MB | peak / expected |")
         print("|---|---|---|---|---|---|")
-        for source in SOURCES:
+        for source in args.sources.split(","):
             for rank in range(1 if source == "none" else args.ranks):
                 out = subprocess.run([sys.executable, __file__, "--worker", str(workdir), source, str(rank)],
                                      capture_output=True, text=True, check=True)

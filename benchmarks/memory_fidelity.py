@@ -43,11 +43,13 @@ is 1.50 to 1.60, its peak in backward made of one op's transient buffers
 ``.grad``, gloo's copy of a reduce-scatter's input) that a sum of terms does
 not hold.
 
-Run: ``python benchmarks/memory_fidelity.py`` (about 1.5 minutes on 2 cores: 20 s of planning, 4 ranks x 8 plans)
+Run: ``python benchmarks/memory_fidelity.py [--cases none,ZeRO-1]`` (about 1.5 minutes on 2 cores: 20 s of
+planning, 4 ranks x 8 plans; ``--cases``: only the cases named, comma-separated, as tests/test_benchmarks.py does)
 """
 
 from __future__ import annotations
 
+import argparse
 import faulthandler
 import gc
 import time
@@ -108,7 +110,8 @@ def stored_split(pins: dict) -> dict:
     return out
 
 
-def make_plans() -> dict:
+def make_plans(names=None) -> dict:
+    """The plans of the cases ``names`` (default: all eight), by case name."""
     model, args, kwargs = build(SPEC, meta=True)
     pins = pins_from_styles(model, megatron_styles(model), MESH.ndim)
     none = autotp.plan(model, MESH, args, kwargs, pin=pins, allow=sequence_parallel_only(HIDDEN, 1),
@@ -140,16 +143,17 @@ def make_plans() -> dict:
         return plan.recompute == LAYERS and set(plan.regather) == {"weights", "activations"}
 
     split = stored_split(pins)
-    return {
-        "none": none,
-        "ZeRO-1": lever(pins, zero(False)),
-        "ZeRO-2": lever(pins, zero(True)),
-        "ZeRO-3": lever(split, state_whole, until=lambda p: "weights" in p.regather, regather=True),
-        "recompute": lever(pins, state_whole, until=lambda p: p.recompute == LAYERS, recompute=True),
-        "regather activations": lever(pins, state_whole, until=lambda p: p.regather, regather=True),
-        "4 micro-batches": lever(pins, state_whole, 4),
-        "all": lever(split, zero(True), 4, until=every, recompute=True, regather=True),
+    cases = {
+        "none": lambda: none,
+        "ZeRO-1": lambda: lever(pins, zero(False)),
+        "ZeRO-2": lambda: lever(pins, zero(True)),
+        "ZeRO-3": lambda: lever(split, state_whole, until=lambda p: "weights" in p.regather, regather=True),
+        "recompute": lambda: lever(pins, state_whole, until=lambda p: p.recompute == LAYERS, recompute=True),
+        "regather activations": lambda: lever(pins, state_whole, until=lambda p: p.regather, regather=True),
+        "4 micro-batches": lambda: lever(pins, state_whole, 4),
+        "all": lambda: lever(split, zero(True), 4, until=every, recompute=True, regather=True),
     }
+    return {name: cases[name]() for name in names or cases}
 
 
 def levers(plan) -> str:
@@ -306,9 +310,12 @@ def by_term(plans: dict, per_rank: list) -> None:
               f"{above / MB:.2f} | {beyond / MB:+.2f} |")
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=None, help="comma-separated case names (default: all eight)")
+    args = parser.parse_args(argv)
     started = time.perf_counter()
-    plans = make_plans()
+    plans = make_plans(args.cases.split(",") if args.cases else None)
     planned = time.perf_counter()
     per_rank = spawn(_measure, MESH.size, plans, timeout_s=600.0)
     print(f"Llama (4 layers, hidden 256, FFN 688, vocabulary 1024), batch 8 x 128, fp32, AdamW, mesh {MESH}; "

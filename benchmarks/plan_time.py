@@ -53,11 +53,11 @@ def row(name: str, solver: str) -> str:
             f"{plan.predicted['objective_s'] * 1e3:.3f} |")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default=",".join(CASES))
     parser.add_argument("--solvers", default="highs" if highs_available() else "cbc")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print("| model | mesh | solver | ops | groups | variables | constraints | capture s | strategies s | "
           "costing s | ILP build s | solve s | total s | objective ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -18,7 +18,12 @@ IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 MODEL = ["hf:llama", "--layers", "4", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--ffn", "4096",
          "--vocab", "32000", "--batch", "8", "--seq", "512"]
 
+
+def command(img: Path = IMG) -> list[str]:
+    """The `autotp` command line that plans the model and writes both pictures into ``img``."""
+    return ["plan", *MODEL, "--mesh", "2x2", "--svg", str(img / "plan.svg"), "--png", str(img / "baselines.png")]
+
+
 if __name__ == "__main__":
     IMG.mkdir(parents=True, exist_ok=True)
-    sys.exit(main(["plan", *MODEL, "--mesh", "2x2", "--svg", str(IMG / "plan.svg"),
-                   "--png", str(IMG / "baselines.png")]))
+    sys.exit(main(command()))

@@ -1,6 +1,7 @@
 """Step time on the clock: autotp's own choice against one process, DDP and DTensor with Hugging Face's tp_plan.
 
     python benchmarks/runtime.py [--steps 12] [--warmup 3] [--worlds 2,4] [--layers 4 --hidden 512 --seq 256]
+                                 [--quick]
 
 A transformers ``LlamaForCausalLM`` (random weights, fp32, loss inside the
 model, global batch 4 × 256 tokens) runs one training step (forward,
@@ -32,6 +33,11 @@ the slowest rank's; the table gives the median over ``--steps`` steps after
 way issues (autotp's `CommCounter`; DDP's buckets through a comm hook;
 DTensor's functional collectives through a dispatch mode). The plans'
 predicted step times are printed beside the measured ones.
+
+``--quick`` checks that the script runs, as tests/test_benchmarks.py does: it
+replaces the sizes above by 2 processes, one layer of hidden 128, sequence 16,
+one step after one warm-up round, and calibrates at two message sizes with 3
+repeats; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ from autotp.runtime import local_inputs, spawn
 
 PROFILE = "cpu-2core-4proc"
 VOCAB = 8192
+QUICK = dict(steps=1, warmup=1, worlds="2", layers=1, hidden=128, seq=16)  # --quick: does the script run?
+QUICK_CALIBRATION = dict(sizes=(4096, 65536), repeats=3)
 
 
 def build(layers: int, hidden: int, seq: int, batch: int = 4):
@@ -195,11 +203,11 @@ def _run_single(rank, world, one, sizes, steps, warmup):
     return measure(variants, steps, warmup, barrier=False)
 
 
-def _calibrate(rank, world, out_dir):
+def _calibrate(rank, world, out_dir, options):
     from autotp.calibrate import calibrate
 
     return calibrate(autotp.Mesh(str(world), links="loopback"), name=f"this-machine-{world}proc", out_dir=out_dir,
-                     progress=False)
+                     progress=False, **options)
 
 
 def step_time_s(per_rank: list[dict], variant: str) -> float:
@@ -227,7 +235,7 @@ def report(world: int, per_rank: list[dict], single: list[dict], plans: dict) ->
               f"predicted {({k: round(v * 1e3, 2) for k, v in plan.predicted.items()})} ms")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
@@ -235,7 +243,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--seq", type=int, default=256)
-    opts = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: does the script run? (overrides the rest)")
+    opts = parser.parse_args(argv)
+    if opts.quick:
+        vars(opts).update(QUICK)
     sizes = (opts.layers, opts.hidden, opts.seq)
     started = time.perf_counter()
     model, args, kwargs = build(*sizes)
@@ -243,7 +254,7 @@ def main() -> None:
           f"torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     with tempfile.TemporaryDirectory() as out_dir:
         for world in (int(w) for w in opts.worlds.split(",")):
-            calibrated = spawn(_calibrate, world, out_dir, timeout_s=900)[0]
+            calibrated = spawn(_calibrate, world, out_dir, QUICK_CALIBRATION if opts.quick else {}, timeout_s=900)[0]
             mesh = autotp.Mesh(str(world), links="loopback")
             data_parallel = batch_split_only(args[0].shape[0], capture_model(model, args, kwargs).graph)
             plans = {f"autotp ({PROFILE})": autotp.plan(model, mesh, args, kwargs, profile=PROFILE),

@@ -25,10 +25,10 @@ def per_layer(plan, phase: str, layers: int) -> str:
     return ", ".join(f"{k} {v / layers:g}" for k, v in sorted(counts.items())) or "none"
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mesh", default="4")
-    mesh = autotp.Mesh(parser.parse_args().mesh)
+    mesh = autotp.Mesh(parser.parse_args(argv).mesh)
     print("| model | ops | plan s | solve s | fallbacks | forward / layer | backward / layer | step ms |")
     print("|---|---|---|---|---|---|---|---|")
     for name in hf_models.FAMILIES:
