@@ -81,9 +81,9 @@ def _cached(name: str) -> Problem:
 
 
 # every problem with one solver, the small one with both: the reduction is the same whichever solver runs
-# after it (tests/test_layer_sharing.py compares the solvers), and the unreduced 2x8 ILP is slow
+# after it (tests/test_layer_sharing.py compares the solvers), and the unreduced ILPs are slow under CBC
 @pytest.mark.parametrize("name, solver", [("gpt-4", s) for s in SOLVERS]
-                         + [("gpt-2x2", "cbc"), ("meta-gpt-2x8-overlap", SOLVERS[-1])])
+                         + [("gpt-2x2", SOLVERS[-1]), ("meta-gpt-2x8-overlap", SOLVERS[-1])])
 def test_same_optimum_with_and_without_the_reduction(name, solver):
     problem = _cached(name)
     assert problem.recompute  # the layer classes' recomputation rows join the ILP under the limit below
