@@ -1,7 +1,7 @@
 """Step time on the clock: autotp's own choice against one process, DDP and DTensor with Hugging Face's tp_plan.
 
     python benchmarks/runtime.py [--steps 12] [--warmup 3] [--worlds 2,4] [--layers 4 --hidden 512 --seq 256]
-                                 [--quick]
+                                 [--compile-backend inductor] [--quick]
 
 A transformers ``LlamaForCausalLM`` (random weights, fp32, loss inside the
 model, global batch 4 × 256 tokens) runs one training step (forward,
@@ -12,6 +12,9 @@ processes in ``--worlds``:
   profile, on ``Mesh(W, links="loopback")``, run by `autotp.parallelize` with
   its defaults; each rank takes its own piece of the batch where the plan
   lets it (`autotp.runtime.local_inputs`), as a DDP rank would;
+- ``autotp (cpu-2core-4proc), compiled``: that rank module under
+  ``torch.compile(fullgraph=True)`` (``--compile-backend``, Inductor by
+  default), compiled during the first warm-up round, which no figure counts;
 - ``autotp (calibrated)``: the same, under a profile that `autotp.calibrate`
   measures on W processes of this machine at the start of the run;
 - ``autotp data-parallel plan``: `autotp.plan` restricted to pure data
@@ -36,8 +39,8 @@ predicted step times are printed beside the measured ones.
 
 ``--quick`` checks that the script runs, as tests/test_benchmarks.py does: it
 replaces the sizes above by 2 processes, one layer of hidden 128, sequence 16,
-one step after one warm-up round, and calibrates at two message sizes with 3
-repeats; its figures mean nothing.
+one step after one warm-up round, compiles with ``aot_eager``, and calibrates
+at two message sizes with 3 repeats; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ from autotp.runtime import local_inputs, spawn
 
 PROFILE = "cpu-2core-4proc"
 VOCAB = 8192
-QUICK = dict(steps=1, warmup=1, worlds="2", layers=1, hidden=128, seq=16)  # --quick: does the script run?
+QUICK = dict(steps=1, warmup=1, worlds="2", layers=1, hidden=128, seq=16,  # --quick: does the script run?
+             compile_backend="aot_eager")  # traces as Inductor does, without its C++ build
 QUICK_CALIBRATION = dict(sizes=(4096, 65536), repeats=3)
 
 
@@ -143,6 +147,12 @@ def _autotp(label, plan, rank, sizes):
     return Variant(label, local, args, kwargs, counter)
 
 
+def _compiled(variant: Variant, backend: str) -> Variant:
+    """The same rank module under ``torch.compile(fullgraph=True)``: one graph, compiled at the first warm-up."""
+    compiled = torch.compile(variant.module, fullgraph=True, backend=backend)
+    return Variant(f"{variant.name}, compiled", compiled, variant.args, variant.kwargs, variant.counter)
+
+
 def _ddp(rank, world, sizes):
     model, args, kwargs = build(*sizes)
     rows = args[0].shape[0] // world
@@ -189,8 +199,9 @@ def measure(variants, steps: int, warmup: int, barrier: bool = True) -> dict:
     return out
 
 
-def _run_parallel(rank, world, plans, hf_plan, sizes, steps, warmup):
+def _run_parallel(rank, world, plans, hf_plan, sizes, steps, warmup, backend):
     variants = [_autotp(label, plan, rank, sizes) for label, plan in plans.items()]
+    variants.insert(1, _compiled(_autotp(*next(iter(plans.items())), rank, sizes), backend))
     variants += [_ddp(rank, world, sizes), _dtensor(hf_plan, world, sizes)]
     return measure(variants, steps, warmup)
 
@@ -243,6 +254,7 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compiled row")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: does the script run? (overrides the rest)")
     opts = parser.parse_args(argv)
     if opts.quick:
@@ -262,7 +274,8 @@ def main(argv=None) -> None:
                      "autotp data-parallel plan": autotp.plan(model, mesh, args, kwargs, profile=PROFILE,
                                                               allow=data_parallel)}
             hf_plan = autotp.plan(model, mesh, args, kwargs, profile=PROFILE, pin=hf_tp_plan_pins(model))
-            per_rank = spawn(_run_parallel, world, plans, hf_plan, sizes, opts.steps, opts.warmup, timeout_s=3600)
+            per_rank = spawn(_run_parallel, world, plans, hf_plan, sizes, opts.steps, opts.warmup,
+                             opts.compile_backend, timeout_s=3600)
             one = autotp.plan(model, autotp.Mesh("1", links="loopback"), args, kwargs, profile=PROFILE)
             single = spawn(_run_single, 1, one, sizes, opts.steps, opts.warmup, timeout_s=3600)
             report(world, per_rank, single, plans)
