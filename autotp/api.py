@@ -355,7 +355,8 @@ def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, devi
     Call it on every rank of an initialised process group whose size is the
     mesh's, or, with ``device_mesh`` (a torch ``DeviceMesh`` of the plan's
     shape, e.g. from ``init_device_mesh``, possibly a sub-mesh of a larger
-    world), on every rank of that mesh: its groups carry the collectives. The program runs in the plan's mode (``plan.training``): ``.train()``
+    world), on every rank of that mesh: its groups carry the collectives.
+    The program runs in the plan's mode (``plan.training``): ``.train()``
     and ``.eval()`` accept that mode and refuse the other with a `PlanError`
     (`autotp.runtime.mode`). Each rank then calls the result with the whole inputs, or with
     its own piece of each (``plan.io["inputs"]``; `autotp.runtime.local_inputs`

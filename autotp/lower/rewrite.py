@@ -29,15 +29,15 @@ from torch.utils import _pytree as pytree
 
 from autotp.errors import PlanError
 from autotp.graph.opgraph import KIND_PARAM, TensorMeta, build_opgraph, meta_of, tensor_input_nodes
+from autotp.graph.random import draws_whole
 from autotp.lower.batching import batch_collectives
 from autotp.lower.collective_matmul import fuse_collective_matmuls
 from autotp.lower.collectives import AxisComm, Collective, CollectiveChain
 from autotp.lower.entry import InputEntry
 from autotp.lower.impls import build_impl
-from autotp.graph.random import draws_whole
-from autotp.lower.random_ops import whole_draw
 from autotp.lower.local_args import local_target, localize_args
 from autotp.lower.pending import wait_at_first_use
+from autotp.lower.random_ops import whole_draw
 from autotp.lower.recompute import recompute_layers
 from autotp.lower.regather import install_regather_hooks
 from autotp.lower.reducer import GRADIENT_SLICE, GradientReducer
