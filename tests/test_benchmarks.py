@@ -197,10 +197,7 @@ def test_runtime_quick_every_way_steps(capsys):
                         "autotp data-parallel plan", "DDP", "DTensor + HF tp_plan", "one process", "autotp, mesh of 1"]
     assert all(positive(r["step (ms, median)"]) for r in rows)
     assert number(by["DDP"]["× DDP"]) == 1.0
-    assert all(positive(by[v]["predicted (ms)"]) for v in list(by)[:4] if "compiled" not in v)
-    # compiled, the program issues the same collectives
-    compiled = by[f"autotp ({runtime.PROFILE}), compiled"]
-    assert compiled["collectives / step"] == by[f"autotp ({runtime.PROFILE})"]["collectives / step"]
+    assert all(positive(by[v]["predicted (ms)"]) for v in list(by)[:4])
     assert int(by["one process"]["collectives / step"]) == 0
     assert int(by["DTensor + HF tp_plan"]["collectives / step"]) > 0
     # the data-parallel plan sums the same gradients DDP does (and a loss of two numbers besides)

@@ -48,8 +48,10 @@ class CommCounter:
 
 
 def count(comm, kind: str, message_bytes: int) -> None:
-    """Record one collective on ``comm``'s axis when a counter was passed in."""
-    if getattr(comm, "counter", None) is not None:
+    """Record one collective on ``comm``'s axis when a counter was passed in. Nothing is counted while
+    ``torch.compile`` traces the module (a list appended to inside autograd Functions breaks its graph):
+    compiled, it issues the collectives of the eager module."""
+    if getattr(comm, "counter", None) is not None and not torch.compiler.is_compiling():
         comm.counter.record(kind, comm.name, message_bytes)
 
 
