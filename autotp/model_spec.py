@@ -165,8 +165,8 @@ def _build_hf(spec: ModelSpec, meta: bool, training: bool):
         config = config_cls(**fields)
     except Exception as exc:  # noqa: BLE001 - transformers validates configs with several exception types
         reason = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
-        raise ModelSpecError(f"transformers rejects this {spec.model} config: {reason[-1].rstrip('.')}: change the sizes "
-                             "(e.g. --hidden a multiple of --heads)") from None
+        raise ModelSpecError(f"transformers rejects this {spec.model} config: {reason[-1].rstrip('.')}: change "
+                             "the sizes (e.g. --hidden a multiple of --heads)") from None
     device = torch.device("meta") if meta else torch.device("cpu")
     with device:
         model = model_cls(config)

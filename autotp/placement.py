@@ -107,6 +107,19 @@ def divides(shape, layout, mesh_shape) -> bool:
     return all(s % shard_factor(layout, d, mesh_shape) == 0 for d, s in enumerate(shape))
 
 
+def shard_cuts(layout, mesh_shape, coords) -> tuple[tuple[int, int, int], ...]:
+    """How to cut the device at ``coords``'s piece out of a whole tensor: ``(dim, pieces, which)`` per split dim."""
+    dims = sorted({p.dim for p in layout if isinstance(p, Shard)})
+    return tuple((d, shard_factor(layout, d, mesh_shape), shard_index(layout, d, coords, mesh_shape)) for d in dims)
+
+
+def cut_piece(full, cuts):
+    """The piece `shard_cuts` describes, as a view of ``full`` (plain tensor code: torch.compile traces it)."""
+    for dim, pieces, which in cuts:
+        full = full.chunk(pieces, dim=dim)[which]
+    return full
+
+
 def shard_index(layout, dim: int, coords, mesh_shape) -> int:
     """Which chunk of ``dim`` the device at ``coords`` holds, nesting axes in mesh order.
 

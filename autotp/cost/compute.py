@@ -13,7 +13,7 @@ import torch
 
 from autotp.graph.flops import is_alias, op_bytes, op_flops
 from autotp.graph.opgraph import KIND_OP, TensorMeta
-from autotp.graph.random import SDPA, draws_whole
+from autotp.graph.random import SDPA, draws_whole, sdpa_weights_shape
 from autotp.placement import local_shape
 
 
@@ -48,7 +48,7 @@ def _whole_draw_bytes(op, strategy, mesh_shape) -> int:
         return 0
     if op.target == SDPA:
         q, k = op.in_metas[0], op.in_metas[1]
-        return 2 * math.prod((*q.shape[:-1], k.shape[-2])) * q.dtype.itemsize
+        return 2 * math.prod(sdpa_weights_shape(q, k)) * q.dtype.itemsize
     return 2 * op.in_metas[0].nbytes
 
 

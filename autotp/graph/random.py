@@ -38,3 +38,8 @@ def draws(target, args: tuple, kwargs: dict) -> bool:
 def sdpa_dropout(args: tuple, kwargs: dict) -> float:
     """The ``dropout_p`` of a ``scaled_dot_product_attention`` call (0 when not given)."""
     return float(args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0))
+
+
+def sdpa_weights_shape(q, k) -> tuple[int, ...]:
+    """The attention weights' shape ``[..., s, t]`` (the dropout mask's) from ``q [..., s, d]`` and ``k [..., t, d]``."""
+    return (*q.shape[:-1], k.shape[-2])

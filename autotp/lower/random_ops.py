@@ -30,8 +30,8 @@ import math
 import torch
 from torch import nn
 
-from autotp.graph.random import MULTIPLICATIVE, SDPA, sdpa_dropout
-from autotp.placement import Shard, shard_factor, shard_index
+from autotp.graph.random import MULTIPLICATIVE, SDPA, sdpa_dropout, sdpa_weights_shape
+from autotp.placement import cut_piece, shard_cuts
 
 aten = torch.ops.aten
 
@@ -41,15 +41,10 @@ class _Piece(nn.Module):
 
     def __init__(self, layout, mesh_shape, coords):
         super().__init__()
-        dims = sorted({p.dim for p in layout if isinstance(p, Shard)})
-        # (dim, pieces, which): worked out once, so the forward pass is plain tensor code (torch.compile traces it)
-        self.cuts = tuple((d, shard_factor(layout, d, mesh_shape), shard_index(layout, d, coords, mesh_shape))
-                          for d in dims)
+        self.cuts = shard_cuts(layout, mesh_shape, coords)  # worked out once: the forward pass is tensor code
 
     def piece(self, full: torch.Tensor) -> torch.Tensor:
-        for dim, pieces, which in self.cuts:
-            full = full.chunk(pieces, dim=dim)[which]
-        return full
+        return cut_piece(full, self.cuts)
 
 
 class WholeDraw(_Piece):
@@ -117,7 +112,7 @@ def whole_draw(target, args: tuple, kwargs: dict, in_metas, layout, mesh_shape, 
         q, k = in_metas[0], in_metas[1]
         scale = args[6] if len(args) > 6 else kwargs.get("scale")
         is_causal = bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False))
-        return WholeDrawAttention((*q.shape[:-1], k.shape[-2]), sdpa_dropout(args, kwargs), is_causal, scale,
+        return WholeDrawAttention(sdpa_weights_shape(q, k), sdpa_dropout(args, kwargs), is_causal, scale,
                                   bool(kwargs.get("enable_gqa", False)), layout, mesh_shape, coords)
     rest = tuple(args[1:])
     return WholeDraw(target, rest, kwargs, in_metas[0].shape, in_metas[0].stride(), layout, mesh_shape, coords)

@@ -41,7 +41,7 @@ from autotp.lower.random_ops import whole_draw
 from autotp.lower.recompute import recompute_layers
 from autotp.lower.regather import install_regather_hooks
 from autotp.lower.reducer import GRADIENT_SLICE, GradientReducer
-from autotp.placement import Partial, R, Shard, local_shape, parse_layout, shard_factor, shard_index
+from autotp.placement import Partial, R, cut_piece, local_shape, parse_layout, shard_cuts
 from autotp.redistribute import ALL_GATHER, SLICE, Unsupported, gathers, is_gradient_sum, replay_steps, step_units
 from autotp.solve.problem import OUTPUT, deferred_parameters, split_gradient_axes, use_target, uses_of
 from autotp.solve.regather import regather_kind
@@ -50,11 +50,7 @@ from autotp.strategies.base import Strategy
 
 def shard_tensor(full: torch.Tensor, layout, mesh_shape, coords) -> torch.Tensor:
     """This device's piece of ``full`` under ``layout`` (a copy, so only the shard stays alive)."""
-    piece = full
-    for dim in sorted({p.dim for p in layout if isinstance(p, Shard)}):
-        index = shard_index(layout, dim, coords, mesh_shape)
-        piece = piece.chunk(shard_factor(layout, dim, mesh_shape), dim=dim)[index]
-    return piece.detach().clone()
+    return cut_piece(full, shard_cuts(layout, mesh_shape, coords)).detach().clone()
 
 
 def _set_param(gm: fx.GraphModule, fqn: str, param: torch.nn.Parameter) -> None:
