@@ -20,7 +20,7 @@ from autotp.materialize import StateDictSource, check_materialized, prepare_weig
 from autotp.mesh import Mesh
 from autotp.progress import Stages, stages_or_silent
 from autotp.report.scopes import node_scopes
-from autotp.runtime.groups import device_mesh_groups, mesh_groups
+from autotp.runtime.groups import device_mesh_groups, plan_device_mesh
 from autotp.runtime.mode import fix_mode
 from autotp.solve.assemble import assemble_plan, chosen_strategies, plan_memory
 from autotp.solve.constraints import apply_constraints
@@ -377,9 +377,10 @@ def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, devi
     """
     import torch.distributed as dist
 
+    if device_mesh is None and groups is None:
+        device_mesh = plan_device_mesh(plan.mesh, _mesh_device_type(device, model))
     if device_mesh is not None:
         groups, rank = device_mesh_groups(device_mesh, plan.mesh)
-    groups = mesh_groups(plan.mesh) if groups is None else groups
     rank = dist.get_rank() if rank is None else rank
     args, kwargs = inputs_from_specs(plan.inputs, device=_device_of(model))
     gm = capture(model, args, kwargs, replay_layers=replays_layers(plan))
@@ -389,10 +390,16 @@ def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, devi
     loader = (prepare_weights(gm, weights, plan.mesh.shape, device, captured_on=_device_of(model))
               if weights is not None else None)
     local = lower(gm, plan, rank, groups, graph=graph, batch=batch_collectives, overlap=overlap, counter=counter,
-                  load_shard=loader)
+                  load_shard=loader, device_mesh=device_mesh)
     if weights is not None and torch.device(device or "cpu").type != "meta":  # meta asked for: nothing to check
         check_materialized(local)
     return fix_mode(local, plan.training)
+
+
+def _mesh_device_type(device, model) -> str:
+    """The device type of the mesh parallelize builds: ``device``'s, or the model's where it is not meta."""
+    where = torch.device(device) if device is not None else _device_of(model)
+    return "cpu" if where.type == "meta" else where.type
 
 
 def _device_of(model) -> torch.device:

@@ -29,6 +29,7 @@ import torch
 
 from autotp.errors import CheckpointError
 from autotp.fileio import atomic_path, atomic_write_text
+from autotp.lower.dtensor import is_dtensor, local_tensor
 from autotp.lower.pending import wait_parameters
 from autotp.lower.rewrite import parameter_aliases
 from autotp.mesh import Mesh
@@ -84,7 +85,8 @@ def _optimizer_state(optimizer, params: dict) -> dict:
     name_of = {id(p): name for name, (_, p) in params.items()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(_owner(p))] for p in g["params"]]}
               for g in optimizer.param_groups]
-    state = {name_of[id(_owner(p))]: {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+    state = {name_of[id(_owner(p))]: {k: local_tensor(v).detach().cpu() if torch.is_tensor(v) else v
+                                      for k, v in s.items()}
              for p, s in optimizer.state.items()}
     return {"groups": groups, "state": state}
 
@@ -115,7 +117,7 @@ def save_sharded(directory, module, optimizer, plan, rank: int, step: int) -> Pa
     wait_parameters(module)  # ZeRO's all-gathers after the last step may still be running
     params = _local_parameters(module, plan)
     payload = {"format": FORMAT, "rank": rank, "step": step, "plan": plan_fingerprint(plan),
-               "parameters": {name: p.detach().cpu() for name, (_, p) in params.items()},
+               "parameters": {name: local_tensor(p).detach().cpu() for name, (_, p) in params.items()},
                "aliases": {name: names for name, (names, _) in params.items()},
                "buffers": _persistent_buffers(module), "optimizer": _optimizer_state(optimizer, params)}
     with atomic_path(step_dir / _rank_file(rank)) as tmp:
@@ -180,12 +182,12 @@ def load_sharded(directory, module, optimizer, plan, rank: int) -> int:
     params = _local_parameters(module, plan)
     with torch.no_grad():
         for name, (_, param) in params.items():
-            value = saved["parameters"].get(name)
-            if value is None or value.shape != param.shape:
+            value, shard = saved["parameters"].get(name), local_tensor(param)
+            if value is None or value.shape != shard.shape:
                 got = None if value is None else list(value.shape)
                 raise CheckpointError(f"checkpoint shard {name!r} of rank {rank} has shape {got}, the module "
-                                      f"{list(param.shape)}: the checkpoint belongs to another model")
-            param.copy_(value)
+                                      f"{list(shard.shape)}: the checkpoint belongs to another model")
+            shard.copy_(value)
         buffers = dict(module.named_buffers())
         for name, value in saved["buffers"].items():
             buffers[name].copy_(value)
@@ -197,10 +199,11 @@ def load_sharded(directory, module, optimizer, plan, rank: int) -> int:
 def _load_optimizer(optimizer, saved: dict, params: dict) -> None:
     """Rebuild the positional ``state_dict`` the optimizer expects from the state saved by name."""
     current = optimizer.state_dict()
-    position, shape_of = {}, {}
+    position, shape_of, stepped = {}, {}, {}
     for group, ids in zip(optimizer.param_groups, current["param_groups"]):
         position.update({id(_owner(p)): i for p, i in zip(group["params"], ids["params"])})
-        shape_of.update({id(_owner(p)): p.shape for p in group["params"]})
+        shape_of.update({id(_owner(p)): local_tensor(p).shape for p in group["params"]})
+        stepped.update({id(_owner(p)): p for p in group["params"]})
     index_of = {name: position[id(p)] for name, (_, p) in params.items() if id(p) in position}
     for name, state in saved["state"].items():
         want = shape_of.get(id(params[name][1])) if name in params else None
@@ -210,8 +213,20 @@ def _load_optimizer(optimizer, saved: dict, params: dict) -> None:
                                   f"steps {list(want)}: resume with the same kind of optimizer (shard_optimizer or "
                                   "a plain one) it was saved with")
     groups = [{**g, "params": [index_of[n] for n in g["params"]]} for g in saved["groups"]]
-    state = {index_of[name]: s for name, s in saved["state"].items()}
+    state = {index_of[name]: {k: _like(stepped[id(params[name][1])], v) for k, v in s.items()}
+             for name, s in saved["state"].items()}
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _like(param, value):
+    """A saved optimizer tensor of ``param``'s local shape as the optimizer keeps it: a DTensor of ``param``'s
+    placements when ``param`` is one (Adam's moments), else as saved (a scalar step count)."""
+    if not (torch.is_tensor(value) and is_dtensor(param) and value.shape == local_tensor(param).shape):
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(value.to(local_tensor(param).device), param.device_mesh, param.placements,
+                              shape=param.shape, stride=param.stride())
 
 
 def consolidate(directory) -> dict[str, torch.Tensor]:

@@ -21,8 +21,10 @@ can; 4. ZeRO-3: every matrix stored split on ``dp`` too and regathered in
 backward; 5. every layer recomputed; 6. gathered activations regathered;
 7. four micro-batches (`autotp.runtime.accumulate`); 8. all of them.
 
-Prediction: ``plan.memory`` (docs/cost-model.md, "Memory per device"), a sum
-of terms. Measurement, per rank: one unprofiled training step (forward,
+Prediction: ``plan.memory`` (docs/cost-model.md, "Memory per device"): its
+terms, and its peak (``total``): with one micro-batch the larger of what is
+alive as backward starts (every term but the gradients) and as it ends
+(every term but the activations); with several, every term. Measurement, per rank: one unprofiled training step (forward,
 backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``), then the
 second under ``torch.profiler`` with ``profile_memory=True``. The running
 sum of its ``[memory]`` events (every allocation and free of the CPU
@@ -36,12 +38,10 @@ last backward pass. Each column is the largest over the 4 ranks.
 What it showed on this project's 2-core machine (docs/cost-model.md, "Memory
 per device, predicted against measured", has the table and the causes): the
 parameter, gradient and optimizer terms are exact in every case (to the byte,
-ZeRO's slices included); each lever alone is within 15% of the measured peak
-(0.87 to 0.94 above it with one micro-batch, 1.00 with 4); every lever at once
-is 1.50 to 1.60, its peak in backward made of one op's transient buffers
-(the LM head's ring backward, ZeRO-3's reduce-scattered gradients copied into
-``.grad``, gloo's copy of a reduce-scatter's input) that a sum of terms does
-not hold.
+ZeRO's slices included); each lever alone is within 3% of the measured peak
+(0.97 to 1.03); every lever at once is 1.38, its peak in backward made of
+one op's transient buffers (the LM head's ring backward, gloo's copy of a
+reduce-scatter's input) that the model does not hold.
 
 Run: ``python benchmarks/memory_fidelity.py [--cases none,ZeRO-1]`` (about 1.5 minutes on 2 cores: 20 s of
 planning, 4 ranks x 8 plans; ``--cases``: only the cases named, comma-separated, as tests/test_benchmarks.py does)
@@ -63,7 +63,7 @@ from autotp.graph.opgraph import KIND_PARAM
 from autotp.interop import pins_from_styles
 from autotp.model_spec import ModelSpec, build
 from autotp.report.baselines import megatron_styles, sequence_parallel_only
-from autotp.runtime import accumulate, shard_optimizer, spawn, wait_parameters
+from autotp.runtime import accumulate, local_tensor, shard_optimizer, spawn, wait_parameters
 from autotp.solve.constraints import same_as
 
 SPEC = ModelSpec("hf:llama", {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
@@ -172,9 +172,10 @@ def levers(plan) -> str:
 
 
 def storage_bytes(tensors) -> int:
-    """Bytes of the storages behind ``tensors``, each storage once (a view or a slice shares its base's)."""
+    """Bytes of the storages behind ``tensors`` (a DTensor's: its local shard's), each storage once (a view or a
+    slice shares its base's)."""
     seen = {}
-    for t in tensors:
+    for t in map(local_tensor, tensors):
         if isinstance(t, torch.Tensor) and t.device.type == "cpu":
             s = t.untyped_storage()
             seen[s.data_ptr()] = s.nbytes()
@@ -280,15 +281,15 @@ def measured_peak(per_rank: list, name: str) -> tuple[int, str]:
 
 
 def totals(plans: dict, per_rank: list) -> None:
-    print("| case | levers | predicted MB: parameters + gradients + optimizer + buffers + activations = total | "
+    print("| case | levers | predicted MB: parameters, gradients, optimizer, buffers, activations; peak | "
           "measured peak MB | measured / predicted | within 15% | peak in |")
     print("|---|---|---|---|---|---|---|")
     for name, plan in plans.items():
         m = plan.memory
         peak, phase = measured_peak(per_rank, name)
         ratio = peak / m["total"]
-        terms = " + ".join(f"{m[t] / MB:.2f}" for t in TERMS)
-        print(f"| {name} | {levers(plan)} | {terms} = **{m['total'] / MB:.2f}** | {peak / MB:.2f} | {ratio:.3f} | "
+        terms = ", ".join(f"{m[t] / MB:.2f}" for t in TERMS)
+        print(f"| {name} | {levers(plan)} | {terms}; **{m['total'] / MB:.2f}** | {peak / MB:.2f} | {ratio:.3f} | "
               f"{'yes' if abs(ratio - 1) <= 0.15 else 'NO'} | {phase} |")
 
 

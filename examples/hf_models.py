@@ -25,6 +25,16 @@ def llama(vocab=VOCAB, heads=4, kv_heads=2, layers=2, hidden=64, dropout=0.0):
     return LlamaForCausalLM(config), (ids,), {"labels": ids}
 
 
+def mistral(vocab=VOCAB, heads=4, kv_heads=2, layers=2, hidden=64, dropout=0.0):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                           num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                           max_position_embeddings=64, sliding_window=SEQ, attention_dropout=dropout)
+    ids = _ids(vocab)
+    return MistralForCausalLM(config), (ids,), {"labels": ids}
+
+
 def gpt2(vocab=VOCAB, heads=4, layers=2, hidden=64, dropout=0.0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -54,13 +64,14 @@ def vit(heads=4, layers=2, hidden=64, image=32, patch=8, batch=BATCH, dropout=0.
 
 
 FAMILIES = {"llama": llama, "gpt2": gpt2, "bert": bert, "vit": vit}
+MORE = {"mistral": mistral}  # built by `build`, not among the families every test runs
 
 
 def build(name: str, train: bool = True, **overrides):
     """The named model in train or eval mode, with its example inputs (``dropout=p`` sets every dropout
     probability of its config, attention's included; 0 by default)."""
     torch.manual_seed(0)
-    model, args, kwargs = FAMILIES[name](**overrides)
+    model, args, kwargs = {**FAMILIES, **MORE}[name](**overrides)
     model.train(train)
     return model, args, kwargs
 

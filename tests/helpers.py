@@ -25,6 +25,16 @@ def make_model(name: str):
     raise ValueError(name)
 
 
+def activation_bound_gpt(batch: int = 32):
+    """The test GPT with a batch of 32 sequences: its activations are about its weights' state, so a memory
+    limit under its fastest plan binds as backward starts, where regathering works (with one micro-batch the peak
+    is the larger of backward's start and end, `autotp.solve.step.memory_bytes`; at the tests' batch of 4 it is
+    the end, which only splitting the weights lowers)."""
+    model, _ = make_model("gpt")
+    generator = torch.Generator().manual_seed(0)
+    return model, tuple(torch.randint(0, 64, (batch, 8), generator=generator) for _ in range(2))
+
+
 def megatron_pins(name: str, model, mesh) -> dict:
     """Column-parallel in, row-parallel out on the last mesh axis; everything else replicated."""
     tp = mesh.ndim - 1

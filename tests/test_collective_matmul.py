@@ -39,7 +39,8 @@ from autotp.report.baselines import baseline_plans, sequence_parallel_only
 from autotp.runtime import spawn
 from autotp.runtime.verify import max_errors, scaled_error
 from autotp.solve.constraints import same_as
-from helpers import check_exact_with_dropout, dropout_net, make_model, planned_and_run, worst_gradient_error
+from helpers import (activation_bound_gpt, check_exact_with_dropout, dropout_net, planned_and_run,
+                     worst_gradient_error)
 
 aten = torch.ops.aten
 TOLERANCE = 1e-5
@@ -116,7 +117,7 @@ def test_a_regathered_input_costs_what_the_rings_backward_cannot_hide():
     """The same strategies under a limit only regathering meets: with collective matmuls the gathers run again
     in backward cost less (their matmuls' backward rings carry them), and the whole difference between the two
     pricings is what the rings hide, forward, backward and regathered."""
-    model, inputs = make_model("gpt")
+    model, inputs = activation_bound_gpt()
     mesh = autotp.Mesh("4", links="nvlink")
     options = dict(profile="h100-hgx", micro_batches=1, recompute=False, optimizer_sharding=False)
     free = autotp.plan(model, mesh, inputs, allow=sequence_parallel_only(32, 0), **options)

@@ -32,7 +32,7 @@ import autotp
 from autotp.errors import MemoryLimitError, PlanError
 from autotp.lower.collectives import CommCounter
 from autotp.report.baselines import batch_split_only
-from autotp.runtime import accumulate, shard_optimizer
+from autotp.runtime import accumulate, local_tensor, shard_optimizer
 from conftest import compute_bound_profile
 from helpers import planned_and_run, recomputed_stretches, split_optimizer_where_whole, worst_gradient_error
 from models import GPT
@@ -134,7 +134,7 @@ def _run(rank, world, plans):
         # the others' partial gradients accumulate in their bucket's slots: .grad is a view, not a second copy
         held = [(p, b) for b in buckets if b.slices == 1 for p in (e.param for e in b.entries)]
         in_bucket = sum(p.grad is not None and b.data is not None
-                        and p.grad.untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr()
+                        and local_tensor(p.grad).untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr()
                         for p, b in held)
         whole_left = sum(p.grad is not None for p in sliced)
         slices_held = sum(getattr(p, "autotp_gradient_slice", None) is not None for p in sliced)

@@ -27,14 +27,15 @@ from autotp.errors import MemoryLimitError
 from autotp.lower.collectives import Collective, CommCounter
 from autotp.report.baselines import sequence_parallel_only
 from autotp.runtime.verify import scaled_error
-from helpers import check_exact_with_dropout, dropout_net, make_model, planned_and_run, worst_gradient_error
+from helpers import (activation_bound_gpt, check_exact_with_dropout, dropout_net, planned_and_run,
+                     worst_gradient_error)
 
 TOLERANCE = 1e-5
 HIDDEN = 16  # dropout_net's
 
 
 def test_the_ilp_regathers_when_memory_binds_and_the_plan_says_so():
-    model, inputs = make_model("gpt")
+    model, inputs = activation_bound_gpt()
     mesh = autotp.Mesh("4", links="nvlink")
     # the other levers off (collective matmuls too: they change which plan is fastest, and what it keeps)
     options = dict(profile="h100-hgx", micro_batches=1, recompute=False, optimizer_sharding=False,

@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 
 from autotp.lower.collectives import count
+from autotp.lower.dtensor import local_grad, local_tensor, set_local_grad
 
 GRADIENT_SLICE = "gradient_slice"  # ZeRO-2's reduce-scatter of a summed gradient into the optimizer's slices
 _ASYNC = {
@@ -90,9 +91,13 @@ def _sliced(unit: tuple) -> bool:
 
 @dataclass
 class _Entry:
-    param: torch.nn.Parameter
+    param: torch.nn.Parameter  # plain, or a DTensor: the buckets hold its local gradient (`autotp.lower.dtensor`)
     unit: tuple  # ((kind, AxisComm), ...) in the order they run
     position: int  # program position of the parameter's use: its gradient is ready after that op's backward
+
+    @property
+    def local(self) -> torch.Tensor:
+        return local_tensor(self.param)
 
 
 @dataclass
@@ -116,7 +121,7 @@ class _Bucket:
         multiple = math.prod(comm.size for kind, comm in self.unit if kind == "reduce_scatter")
         self.slices = self.unit[-1][1].size if _sliced(self.unit) else 1
         # a member's piece of a device's part: its whole gradient, or (ZeRO-2) one of its n slices
-        sizes = [-(-e.param.numel() // self.slices) for e in self.entries]
+        sizes = [-(-e.local.numel() // self.slices) for e in self.entries]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         self.padded = -(-self.offsets[-1] // multiple) * multiple * self.slices  # one part per device
 
@@ -201,7 +206,7 @@ class _Bucket:
             piece = self.data[self.offsets[i]:self.offsets[i + 1]]
             if i in self.accumulate:  # a whole .grad left from before the slices were kept: its slice joins the sum
                 size = self.offsets[i + 1] - self.offsets[i]
-                whole = torch.nn.functional.pad(e.param.grad.reshape(-1), (0, size * self.slices - e.param.numel()))
+                whole = torch.nn.functional.pad(local_grad(e.param).reshape(-1), (0, size * self.slices - e.local.numel()))
                 piece = piece + whole.view(self.slices, size)[comm.index]
                 e.param.grad = None
             held = getattr(e.param, "autotp_gradient_slice", None)
@@ -218,13 +223,13 @@ class _Bucket:
             if i not in self.arrived:
                 continue
             if self.slices > 1:
-                piece = self._by_device(data, i).reshape(-1)[:e.param.numel()].view_as(e.param)
+                piece = self._by_device(data, i).reshape(-1)[:e.local.numel()].view_as(e.local)
             else:
-                piece = data[self.offsets[i]:self.offsets[i + 1]].view_as(e.param)
+                piece = data[self.offsets[i]:self.offsets[i + 1]].view_as(e.local)
             if i in self.accumulate:
-                e.param.grad.add_(piece)
+                local_grad(e.param).add_(piece)
             else:  # the partial gradient was dropped when copied: the sum takes its place
-                e.param.grad = piece
+                set_local_grad(e.param, piece)
 
 
 @dataclass
@@ -257,7 +262,7 @@ class GradientReducer:
         filling: dict[tuple, list[int]] = {}
         sizes: dict[tuple, int] = {}
         for i in sorted(range(len(self.entries)), key=lambda i: -self.entries[i].position):
-            p = self.entries[i].param
+            p = self.entries[i].local
             key = (tuple((kind, comm.name) for kind, comm in self.entries[i].unit), p.dtype, p.device)
             nbytes = p.numel() * p.element_size()
             if key not in filling or sizes[key] + nbytes > self.bucket_bytes:
@@ -266,18 +271,18 @@ class GradientReducer:
             filling[key].append(i)
             sizes[key] += nbytes
         self.buckets = [self._bucket(members) for members in self.buckets]
-        self._layout = tuple((e.param.dtype, e.param.device) for e in self.entries)
+        self._layout = tuple((e.local.dtype, e.local.device) for e in self.entries)
 
     def _bucket(self, members: list[int]) -> _Bucket:
         first = self.entries[members[0]]
-        bucket = _Bucket([self.entries[j] for j in members], first.unit, first.param.dtype, first.param.device)
+        bucket = _Bucket([self.entries[j] for j in members], first.unit, first.local.dtype, first.local.device)
         for k, j in enumerate(members):
             self._place[j] = (bucket, k)
         return bucket
 
     def _ensure_buckets(self) -> None:
         """Buckets for the members' dtypes and devices as they are now: formed again when one changed."""
-        if self._layout != tuple((e.param.dtype, e.param.device) for e in self.entries):
+        if self._layout != tuple((e.local.dtype, e.local.device) for e in self.entries):
             self._form_buckets()
 
     @contextmanager
@@ -310,7 +315,7 @@ class GradientReducer:
                                "optimizer.zero_grad() (or set .grad to None) before the first no_sync pass")
         self._ensure_buckets()
         bucket, k = self._place[i]
-        param.grad = bucket.slot(k).view_as(param)  # zeros: autograd adds this gradient into it, in place
+        set_local_grad(param, bucket.slot(k).view_as(self.entries[i].local))  # zeros: autograd adds into it
         self._unsynced.add(i)
         return None
 
@@ -335,7 +340,7 @@ class GradientReducer:
         if held:
             self._unsynced.discard(i)
             self.entries[i].param.grad = None  # the slot's view; the sum takes its place when backward ends
-        accumulating = bucket.add(k, grad.detach(), onto=held)
+        accumulating = bucket.add(k, local_tensor(grad).detach(), onto=held)
         if bucket.full and not bucket.started:
             for older in self._started:
                 if older.step < len(older.unit) - 1:  # a step is left after the running one

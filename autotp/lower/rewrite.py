@@ -3,7 +3,8 @@
 Four edits, all visible in ``print(local.code)``:
 
 1. every parameter is replaced by this rank's shard (the chunk DTensor's
-   ``Shard(d)`` would hold; the full tensor for ``R``);
+   ``Shard(d)`` would hold; the full tensor for ``R``), on a ``DeviceMesh``
+   an ``nn.Parameter(DTensor)`` read through ``to_local`` (`autotp.lower.dtensor`);
 2. each input may arrive whole or as this rank's piece of its ``plan.io``
    layout (a data-parallel rank's own rows); a whole one is cut there;
 3. before each op, each tensor input is redistributed from its producer's
@@ -33,6 +34,7 @@ from autotp.graph.random import draws_whole
 from autotp.lower.batching import batch_collectives
 from autotp.lower.collective_matmul import fuse_collective_matmuls
 from autotp.lower.collectives import AxisComm, Collective, CollectiveChain
+from autotp.lower.dtensor import as_dtensor_parameter, read_parameters_locally
 from autotp.lower.entry import InputEntry
 from autotp.lower.impls import build_impl
 from autotp.lower.local_args import local_target, localize_args
@@ -298,7 +300,7 @@ def _call_module(low: _Lowerer, node: fx.Node, name: str, module) -> None:
 
 
 def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, graph=None, batch: bool = False,
-          overlap: bool = False, counter=None, load_shard=None) -> fx.GraphModule:
+          overlap: bool = False, counter=None, load_shard=None, device_mesh=None) -> fx.GraphModule:
     """Rewrite ``gm`` in place into the program of ``rank``; ``groups`` maps mesh axis -> process group.
 
     Without ``groups`` the result can be printed and inspected but not run.
@@ -310,7 +312,10 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, graph=None, batch
     ``counter`` (a `CommCounter`) records every collective the module issues.
     ``load_shard(name, param, layout, coords)`` supplies each parameter's
     shard (from a checkpoint, see `autotp.materialize`) instead of cutting it
-    out of the full ``param``.
+    out of the full ``param``. With ``device_mesh`` (the torch ``DeviceMesh``
+    ``groups`` come from) each parameter is an ``nn.Parameter(DTensor)`` on it
+    that the program reads through ``to_local`` (`autotp.lower.dtensor`);
+    without, a plain ``nn.Parameter`` of the shard.
     """
     graph = graph if graph is not None else build_opgraph(gm)
     check_plan_fits(graph, plan)
@@ -327,6 +332,8 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, graph=None, batch
         shard = (load_shard(planned[0], param, layout, coords) if load_shard is not None
                  else shard_tensor(param, layout, plan.mesh.shape, coords))
         local = torch.nn.Parameter(shard, requires_grad=param.requires_grad)
+        if device_mesh is not None:
+            local = as_dtensor_parameter(local, layout, device_mesh, plan.mesh.shape)
         for name in names:  # tied weights stay one parameter
             _set_param(gm, name, local)
         axes = plan.optimizer_sharding.get(planned[0])
@@ -349,6 +356,7 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, graph=None, batch
     recompute_layers(gm, graph, plan.recompute if plan.training else ())
     if plan.training and plan.regather:
         install_regather_hooks(gm)
+    read_parameters_locally(gm)
     prefetch = plan.training and plan.runtime["overlap_gradients"]
     if prefetch and optimizer_shards:  # the all-gathers after the optimizer step land just before first use
         first = wait_at_first_use(gm, [p for p, _ in optimizer_shards])

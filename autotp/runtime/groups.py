@@ -7,29 +7,26 @@ import torch.distributed as dist
 from autotp.errors import MeshError
 
 
-def mesh_groups(mesh, rank: int | None = None) -> dict:
-    """Mesh axis -> process group for this rank, created collectively on every rank.
+def plan_device_mesh(mesh, device_type: str = "cpu"):
+    """A torch ``DeviceMesh`` of ``mesh``'s shape and axis names over the whole world, created collectively on
+    every rank (``init_device_mesh``: its groups carry the collectives, its mesh the DTensor parameters)."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-    Every rank must call this with the same mesh: ``new_group`` is collective.
-    """
     if not dist.is_available() or not dist.is_initialized():
         raise MeshError("no process group is initialised: call torch.distributed.init_process_group "
                         "(or run under torchrun / autotp.runtime.spawn) before autotp.parallelize")
     world = dist.get_world_size()
     if world != mesh.size:
         raise MeshError(f"the mesh {mesh} has {mesh.size} devices but the process group has {world} ranks: "
-                        f"plan for Mesh('{world}') or launch {mesh.size} processes")
-    rank = dist.get_rank() if rank is None else rank
-    groups = {}
-    for axis in range(mesh.ndim):
-        if mesh.ndim == 1:
-            groups[axis] = dist.group.WORLD
-            continue
-        for ranks in mesh.axis_groups(axis):
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                groups[axis] = group
-    return groups
+                        f"plan for Mesh('{world}'), launch {mesh.size} processes, or pass parallelize a "
+                        "device_mesh of the plan's shape")
+    return init_device_mesh(device_type, tuple(mesh.shape), mesh_dim_names=tuple(mesh.names))
+
+
+def mesh_groups(mesh) -> dict:
+    """Mesh axis -> process group for this rank (and the whole mesh's group under the tuple of every axis),
+    from `plan_device_mesh`: collective, every rank calls it with the same mesh."""
+    return device_mesh_groups(plan_device_mesh(mesh), mesh)[0]
 
 
 def device_mesh_groups(device_mesh, mesh) -> tuple[dict, int]:

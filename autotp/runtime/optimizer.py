@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from autotp.lower.collectives import count
+from autotp.lower.dtensor import local_grad, local_tensor
 from autotp.lower.pending import landed, wait_parameters
 
 
@@ -49,11 +50,12 @@ class _Slice:
 
     def __post_init__(self):
         n, index = (self.comm.size, self.comm.index) if self.comm is not None else (1, 0)
-        self.numel = self.param.numel()
+        self.local = local_tensor(self.param)  # the shard of a DTensor parameter (`autotp.lower.dtensor`)
+        self.numel = self.local.numel()
         self.size = -(-self.numel // n)  # every device's piece in the all-gather, the last one zero-padded
         self.start = min(index * self.size, self.numel)
         self.stop = min(self.start + self.size, self.numel)
-        mine = self.param.detach().view(-1)[self.start:self.stop]
+        mine = self.local.detach().view(-1)[self.start:self.stop]
         self.shard = torch.nn.Parameter(mine if self.master_dtype is None else mine.to(self.master_dtype))
         self.shard.autotp_parameter = self.param  # checkpoints name the slice's state after its parameter
 
@@ -64,7 +66,7 @@ class _Slice:
             self.shard.grad = sliced[:self.stop - self.start].to(self.shard.dtype, copy=True)
             self.param.autotp_gradient_slice = self.param.grad = None
             return
-        grad = self.param.grad
+        grad = local_grad(self.param)
         # a copy, not a view: the whole gradient's memory goes with .grad (and holds the all-gather that follows)
         self.shard.grad = None if grad is None else grad.reshape(-1)[self.start:self.stop].to(self.shard.dtype,
                                                                                              copy=True)
@@ -76,13 +78,13 @@ class _Slice:
         The all-gather writes straight into the parameter when its slices
         tile it exactly (no padding), so a pending gather holds no copy.
         """
-        piece = torch.zeros(self.size, dtype=self.param.dtype, device=self.param.device)
+        piece = torch.zeros(self.size, dtype=self.local.dtype, device=self.local.device)
         piece[:self.stop - self.start] = self.shard.detach()
         if self.comm is None:
             return None, piece
         n = self.comm.size
-        direct = self.size * n == self.numel and self.param.is_contiguous()
-        out = self.param.detach().view(-1) if direct else torch.empty(self.size * n, dtype=piece.dtype,
+        direct = self.size * n == self.numel and self.local.is_contiguous()
+        out = self.local.detach().view(-1) if direct else torch.empty(self.size * n, dtype=piece.dtype,
                                                                        device=piece.device)
         count(self.comm, "all_gather", out.numel() * out.element_size())
         return dist.all_gather_single(out, piece, group=self.comm.group, async_op=True), out
@@ -90,9 +92,9 @@ class _Slice:
     def finish_gather(self, work, out: torch.Tensor) -> None:
         if work is not None:
             work.wait()
-        if out.data_ptr() != self.param.data_ptr():
+        if out.data_ptr() != self.local.data_ptr():
             with torch.no_grad():
-                self.param.copy_(out[:self.numel].view_as(self.param))
+                self.local.copy_(out[:self.numel].view_as(self.local))
 
 
 def shard_optimizer(module, optimizer_class, *args, master_dtype: torch.dtype | None = None,

@@ -23,6 +23,7 @@ import copy
 import torch
 
 from autotp.lower import shard_tensor
+from autotp.lower.dtensor import local_grad, local_tensor
 from autotp.lower.rewrite import parameter_aliases
 from autotp.placement import parse_layout
 
@@ -47,8 +48,9 @@ def dtype_scale(dtype: torch.dtype) -> float:
 
 
 def scaled_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``max|got - want| / max(1, max|want|)``: absolute near zero, relative for large values."""
-    got, want = got.detach().double(), want.detach().double()
+    """``max|got - want| / max(1, max|want|)``: absolute near zero, relative for large values (a DTensor: its
+    local shard, which is what a rank holds)."""
+    got, want = local_tensor(got).detach().double(), local_tensor(want).detach().double()
     if want.numel() == 0:
         return 0.0
     return float((got - want).abs().max() / max(1.0, float(want.abs().max())))
@@ -105,7 +107,7 @@ def max_errors(model: torch.nn.Module, plan, inputs, rank: int, groups=None, kwa
         if expected is None:
             continue
         want = shard_tensor(expected, parse_layout(plan.parameters[name]), shape, coords)
-        got = param.grad if param.grad is not None else torch.zeros_like(want)
+        got = local_grad(param) if param.grad is not None else torch.zeros_like(want)
         grads.append(_compare(got, want, f"gradient of {name}", mismatches))
     errors["gradient"] = max(grads, default=0.0)
     errors["parameters"] = len(grads)

@@ -172,14 +172,17 @@ def calls_per_step(record: dict, micro_batches: int) -> int:
 
 
 def plan_memory(graph, problem, solution, chosen, mesh, training, whole_outputs: bool = False) -> dict[str, int]:
-    """Memory per device by term; recomputed layers keep fewer activations, and rebuild one layer's at a time;
-    all-gathered inputs kept for backward count as activations, less what regathering them frees."""
+    """Memory per device by term, and its peak (``total``: `autotp.solve.step.memory_bytes`); recomputed layers
+    keep fewer activations, and rebuild one layer's at a time; all-gathered inputs kept for backward count as
+    activations, less what regathering them frees."""
     terms = memory_by_term(graph, chosen, mesh, training, problem.precision)
     _, freed, transient = recompute_effect(problem, solution.choice, solution.recompute)
     freed += regather_effect(problem, solution.choice, solution.regather)[1]
     extra = kept_gathered_bytes(graph, chosen, mesh, training, whole_outputs, problem.recomputable) + transient - freed
     terms["activations"] += extra
     terms["total"] += extra
+    if problem.peak_in_backward:  # the larger of backward's start and end, not every term at once
+        terms["total"] = max(terms["total"] - terms["gradients"], terms["total"] - terms["activations"])
     return terms
 
 

@@ -79,9 +79,12 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
     the replicated plan is kept among them, as the warm start of a time-limited solve.
     """
     lp = Model()
-    x, objective, memory = {}, [], []
-    reduced = reduce_problem(problem, time=minimise == "time",
-                             memory=minimise == "memory" or memory_limit_bytes is not None,
+    x, objective, memory, state = {}, [], [], []
+    counts_memory = minimise == "memory" or memory_limit_bytes is not None
+    # the peak: every term, or with one micro-batch the larger of two moments (`autotp.solve.step.memory_bytes`):
+    # ``memory`` as backward starts (every term but the gradients), ``state`` as it ends
+    two_moments = counts_memory and problem.peak_in_backward
+    reduced = reduce_problem(problem, time=minimise == "time", memory=counts_memory,
                              keep=replicated_choices(problem)) if reduce else possible(problem)
     for name, group in problem.groups.items():
         allowed = reduced.choices[name]
@@ -90,12 +93,15 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
         x[name] = {c: lp.var(binary=True) for c in allowed}
         lp.eq(total(x[name].values()), 1)
         objective += [group.cost_s[c] * _SCALE * v for c, v in x[name].items()]
-        memory += [group.memory_bytes[c] / _BYTES * v for c, v in x[name].items()]
+        if not two_moments:
+            memory += [group.memory_bytes[c] / _BYTES * v for c, v in x[name].items()]
+            continue
+        memory += [(group.memory_bytes[c] - group.gradient_bytes[c]) / _BYTES * v for c, v in x[name].items()]
+        state += [group.state_bytes[c] / _BYTES * v for c, v in x[name].items() if group.state_bytes[c]]
     y = {}
     for (gu, gv), table in problem.edges.items():
         y[gu, gv] = _pair_variables(lp, x[gu], x[gv], reduced.pairs[gu, gv])
         objective += _terms(y[gu, gv], table)
-    counts_memory = minimise == "memory" or memory_limit_bytes is not None
     for w, seconds, nbytes in _fanout_items(lp, problem, x, y, every=minimise == "time"):
         if minimise == "time":
             objective.append(seconds * _SCALE * w)
@@ -112,9 +118,19 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
     r = {}
     if problem.recompute and counts_memory:
         r = _recompute_terms(lp, problem, x, objective, memory)
+    rows = [total(memory), total(state)] if two_moments else [total(memory)]
     if memory_limit_bytes is not None:
-        lp.le(total(memory), memory_limit_bytes / _BYTES)
-    lp.minimise(total(objective if minimise == "time" else memory))
+        for row in rows:
+            lp.le(row, memory_limit_bytes / _BYTES)
+    if minimise == "time":
+        lp.minimise(total(objective))
+    else:
+        peak = rows[0]
+        if len(rows) > 1:
+            peak = lp.var()
+            for row in rows:
+                lp.ge(peak, row)
+        lp.minimise(peak)
     warm_start_replicated(problem, x)  # CBC starts from it only under a time limit (autotp.solve.gap)
     x = dict(x)
     x[_RECOMPUTE] = r

@@ -61,6 +61,8 @@ class Group:
     choices: dict[str, list[int]] = field(default_factory=dict)  # member -> strategy index per choice
     cost_s: list[float] = field(default_factory=list)  # exposed time per choice
     memory_bytes: list[int] = field(default_factory=list)  # per device, summed over members
+    gradient_bytes: list[int] = field(default_factory=list)  # the gradients among them (`Problem.peak_in_backward`)
+    state_bytes: list[int] = field(default_factory=list)  # parameters, gradients, optimizer state and buffers
 
     @property
     def n(self) -> int:
@@ -120,6 +122,14 @@ class Problem:
     regather: dict[str, Regather] = field(default_factory=dict)  # kind -> what regathering its uses adds and frees
     tp_overlap: Hidden = field(default_factory=Hidden)  # what collective matmuls hide, already off the costs
     overlap_tp: bool = False  # collective matmuls credited, and run by the lowering (`autotp.cost.collective_matmul`)
+
+    @property
+    def peak_in_backward(self) -> bool:
+        """Whether memory peaks as the larger of two moments rather than as the sum of every term
+        (`autotp.solve.step.memory_bytes`): one micro-batch of training, whose gradients are made as backward
+        frees the activations; with several, the earlier micro-batches' gradients are held beside the last's
+        activations."""
+        return self.micro_batches == 1 and any(any(g.gradient_bytes) for g in self.groups.values())
 
     def strategy(self, node: str, choice: int):
         group = self.groups[self.group_of[node]]
@@ -250,6 +260,7 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
                       precision=precision, micro_batches=micro_batches, overlap_tp=overlap_tp)
     for group in groups.values():
         group.cost_s, group.memory_bytes = [0.0] * group.n, [0] * group.n
+        group.gradient_bytes, group.state_bytes = [0] * group.n, [0] * group.n
     uses = uses_of(graph)
     deferred = deferred_parameters(graph, uses) if training and overlap_gradients else set()
     coster = _Coster(problem, graph, mesh, profile, training, whole_outputs, deferred, overlap_gradients, precision)
@@ -298,8 +309,10 @@ class _Coster:
             group.cost_s[c] += count * (self.problem.micro_batches * per_micro_batch
                                         + (0.0 if self.prefetched(op) else optimizer_time_s(op, strategy, self.mesh,
                                                                                            self.profile)))
-            group.memory_bytes[c] += count * sum(node_memory_bytes(op, strategy, self.mesh, self.training,
-                                                                   self.precision).values())
+            terms = node_memory_bytes(op, strategy, self.mesh, self.training, self.precision)
+            group.memory_bytes[c] += count * sum(terms.values())
+            group.gradient_bytes[c] += count * terms.get("gradients", 0)
+            group.state_bytes[c] += count * sum(v for term, v in terms.items() if term != "activations")
 
     def prefetched(self, op) -> bool:
         """Whether ``op``'s all-gather after the optimizer step goes to the prefetch chain (`build_prefetch`)."""

@@ -25,7 +25,8 @@ The bounds, per piece of the step model (`autotp.solve.problem`):
   and any other may add the new item's whole cost (and saves at least 0);
 * memory adds up over groups and over the gathered inputs kept for
   backward, which live on edges (the difference) and fan-out items (paid
-  once, as the time's);
+  once, as the time's); where the peak is the larger of backward's start
+  and end (`autotp.solve.step.memory_bytes`), each moment is a criterion;
 * the gradient chain's wait (`autotp.solve.chain`) grows with every gradient
   sum and shrinks with every second of backward compute, by at most the
   change: the bound adds the positive part of each term's change; the same
@@ -74,8 +75,9 @@ def reduce_problem(problem: Problem, time: bool = True, memory: bool = False,
     reduction (a time-limited solve can start from it).
     """
     recompute = memory and bool(problem.recompute)  # the ILP has recompute choices only when memory counts
-    criteria = ([_TimeBounds(problem, recompute)] if time else []) + ([_MemoryBounds(problem, recompute)]
-                                                                      if memory else [])
+    criteria = [_TimeBounds(problem, recompute)] if time else []
+    if memory:  # with one micro-batch the peak is the larger of two moments: a switch may raise neither
+        criteria += [_MemoryBounds(problem, recompute)] + ([_StateBounds(problem)] if problem.peak_in_backward else [])
     state = _State(problem, criteria, keep or {})
     changed = True
     with np.errstate(invalid="ignore"):  # inf - inf where a choice is a dead end: see _State.base
@@ -188,16 +190,30 @@ class _TimeBounds(_Bounds):
 
 
 class _MemoryBounds(_Bounds):
-    """Memory per device adds up: groups, kept gathered inputs on edges and fan-outs, and what recomputing frees."""
+    """Memory per device adds up: groups, kept gathered inputs on edges and fan-outs, and what recomputing frees
+    (as backward starts, without the gradients, where the peak is the larger of two moments)."""
 
     def __init__(self, problem: Problem, recompute: bool = False):
-        super().__init__(problem, {g: _finite(group.memory_bytes)[:, None] - _finite(group.memory_bytes)[None, :]
+        def start(group):
+            if not problem.peak_in_backward:
+                return _finite(group.memory_bytes)
+            return _finite(group.memory_bytes) - _finite(group.gradient_bytes)
+
+        super().__init__(problem, {g: start(group)[:, None] - start(group)[None, :]
                                    for g, group in problem.groups.items()}, problem.edge_memory)
         self._add_fanouts(lambda fanout: fanout.memory_bytes)
         if recompute:  # a recomputed class frees bytes: the switch may add the fall of what it frees
             for rc in problem.recompute:
                 for g, values in rc.saved_bytes.items():
                     self.node[g] = self.node[g] + _rise(-np.array(values, dtype=float))
+
+
+class _StateBounds(_Bounds):
+    """The model's state as backward ends (parameters, gradients, optimizer state, buffers): groups alone."""
+
+    def __init__(self, problem: Problem):
+        super().__init__(problem, {g: _finite(group.state_bytes)[:, None] - _finite(group.state_bytes)[None, :]
+                                   for g, group in problem.groups.items()}, {})
 
 
 class _State:

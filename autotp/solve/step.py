@@ -54,10 +54,30 @@ def step_time(problem: Problem, choice: dict[str, int], recomputed=(), regathere
 
 
 def memory_bytes(problem: Problem, choice: dict[str, int], recomputed=(), regathered=()) -> int:
-    """Bytes per device of ``choice``, as the ILP's memory row adds them up (at most: `autotp.solve.recompute`)."""
+    """Peak bytes per device of ``choice``, as the ILP's memory rows bound them (at most:
+    `autotp.solve.recompute`).
+
+    With one micro-batch (`Problem.peak_in_backward`) the peak is the larger
+    of two moments: as backward starts, every activation is alive and no
+    gradient yet (the last step's were freed by ``zero_grad``); as it ends,
+    every gradient and no activation. In between, backward frees a layer's
+    activations as it makes that layer's gradients, so along a stack of
+    layers the sum of the two moves linearly between them. With several
+    micro-batches the earlier ones' gradients are held beside the last one's
+    activations: every term at once.
+    """
     _, freed, transient = recompute_effect(problem, choice, recomputed)
     groups = sum(group.memory_bytes[choice[name]] for name, group in problem.groups.items())
-    return groups + kept_bytes(problem, choice) - freed + transient - regather_effect(problem, choice, regathered)[1]
+    total = groups + kept_bytes(problem, choice) - freed + transient - regather_effect(problem, choice, regathered)[1]
+    if not problem.peak_in_backward:
+        return total
+    gradients = sum(group.gradient_bytes[choice[name]] for name, group in problem.groups.items())
+    return max(total - gradients, state_bytes(problem, choice))
+
+
+def state_bytes(problem: Problem, choice: dict[str, int]) -> int:
+    """Parameters, gradients, optimizer state and buffers of ``choice``: what is alive as backward ends."""
+    return sum(group.state_bytes[choice[name]] for name, group in problem.groups.items())
 
 
 def kept_bytes(problem: Problem, choice: dict[str, int]) -> int:
