@@ -5,7 +5,9 @@ choices with infinite costs, edge tables with impossible pairs and pairs
 credited below zero (a fused ring's share), fan-outs whose
 items are paid once however many uses need them (uses inside one group, uses
 with no consumer, uses from single-choice groups), memory kept on edges and
-fan-out items (gathered inputs kept for backward), a gradient chain with
+fan-out items (gathered inputs kept for backward), at times gradients and
+the model's state per choice (the peak the larger of backward's start and
+end: `autotp.solve.step.memory_bytes`), a gradient chain with
 repeated blocks (`autotp.solve.chain`) and, at times, the early chain that
 micro-batches before the last run for ZeRO-2's sliced gradients, a prefetch chain of ZeRO's
 all-gathers (`autotp.solve.prefetch`), and layer classes that may be
@@ -74,6 +76,11 @@ def _random_problem(rng: random.Random) -> Problem:
             edges[u, v] = [[_level(rng) - _credit(rng) if rng.random() > 0.15 else math.inf
                             for _ in range(groups[v].n)] for _ in range(groups[u].n)]
     problem = Problem(groups, {name: name for name in names}, edges, None)
+    if rng.random() < 0.5:  # one micro-batch of training: the peak is the larger of backward's start and end
+        for group in groups.values():
+            group.gradient_bytes = [rng.choice([0, 0, 1]) * _BYTES for _ in range(group.n)]
+            group.state_bytes = [min(m, g + rng.choice([0, 1, 2]) * _BYTES)
+                                 for m, g in zip(group.memory_bytes, group.gradient_bytes)]
     for e in edges:  # a use that gathers its input and keeps it for backward holds memory per pair
         if rng.random() < 0.3:
             problem.edge_memory[e] = [[rng.choice([0, 1, 2]) * _BYTES for _ in row] for row in edges[e]]

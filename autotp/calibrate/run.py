@@ -66,7 +66,7 @@ def calibrate(mesh=None, *, name: str | None = None, sizes=DEFAULT_SIZES, dtypes
     if mesh is None:
         mesh = Mesh(world, links="loopback" if device.type == "cpu" else "nvlink")
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
-    groups = mesh_groups(mesh)
+    groups = mesh_groups(mesh, device.type)
     dtypes = dtypes or (CPU_DTYPES if device.type == "cpu" else GPU_DTYPES)
     links = _axes_by_link(mesh)
     total = len(dtypes) + 2 + len(links) * len(COLLECTIVES) * len(sizes)

@@ -23,10 +23,10 @@ def plan_device_mesh(mesh, device_type: str = "cpu"):
     return init_device_mesh(device_type, tuple(mesh.shape), mesh_dim_names=tuple(mesh.names))
 
 
-def mesh_groups(mesh) -> dict:
+def mesh_groups(mesh, device_type: str = "cpu") -> dict:
     """Mesh axis -> process group for this rank (and the whole mesh's group under the tuple of every axis),
     from `plan_device_mesh`: collective, every rank calls it with the same mesh."""
-    return device_mesh_groups(plan_device_mesh(mesh), mesh)[0]
+    return device_mesh_groups(plan_device_mesh(mesh, device_type), mesh)[0]
 
 
 def device_mesh_groups(device_mesh, mesh) -> tuple[dict, int]:

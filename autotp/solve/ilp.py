@@ -460,7 +460,7 @@ def _may_fit(problem: Problem, fixed: dict, limit: float, reduce: bool) -> bool:
     lp, x = _model(problem, "memory", None, reduce)
     _fix(x, fixed)
     least = lp_relaxation_bound(lp)
-    return least is None or least * _BYTES <= limit * (1 + _BOUND_MARGIN)
+    return least is None or least * _BYTES <= limit + abs(limit) * _BOUND_MARGIN  # a limit below 0 (tests) too
 
 
 class _Search:
