@@ -194,8 +194,10 @@ class _MemoryBounds(_Bounds):
     (as backward starts, without the gradients, where the peak is the larger of two moments)."""
 
     def __init__(self, problem: Problem, recompute: bool = False):
+        two_moments = problem.peak_in_backward
+
         def start(group):
-            if not problem.peak_in_backward:
+            if not two_moments:
                 return _finite(group.memory_bytes)
             return _finite(group.memory_bytes) - _finite(group.gradient_bytes)
 
