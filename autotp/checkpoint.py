@@ -29,7 +29,7 @@ import torch
 
 from autotp.errors import CheckpointError
 from autotp.fileio import atomic_path, atomic_write_text
-from autotp.lower.dtensor import is_dtensor, local_tensor
+from autotp.lower.dtensor import is_dtensor, like_parameter, local_tensor
 from autotp.lower.pending import wait_parameters
 from autotp.lower.rewrite import parameter_aliases
 from autotp.mesh import Mesh
@@ -223,10 +223,7 @@ def _like(param, value):
     placements when ``param`` is one (Adam's moments), else as saved (a scalar step count)."""
     if not (torch.is_tensor(value) and is_dtensor(param) and value.shape == local_tensor(param).shape):
         return value
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(value.to(local_tensor(param).device), param.device_mesh, param.placements,
-                              shape=param.shape, stride=param.stride())
+    return like_parameter(param, value.to(local_tensor(param).device))
 
 
 def consolidate(directory) -> dict[str, torch.Tensor]:

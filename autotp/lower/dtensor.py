@@ -21,13 +21,16 @@ even splits, so global shapes are the local ones times the pieces.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 
 from autotp.placement import Partial, Shard, shard_factor
 
 
-def _dtensor_class():
+@functools.cache
+def _dtensor_class():  # imported once, on first use: the gradient reducer asks for it on every gradient
     from torch.distributed.tensor import DTensor
 
     return DTensor
@@ -47,13 +50,19 @@ def local_grad(param: torch.Tensor) -> torch.Tensor | None:
     return local_tensor(param.grad)
 
 
+def like_parameter(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (a tensor of ``param``'s local shape, kept, not copied) as ``param`` holds it: a DTensor of
+    its mesh, placements and global shape when ``param`` is one, else ``local`` itself."""
+    if not is_dtensor(param):
+        return local
+    return _dtensor_class().from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                                       stride=param.stride())
+
+
 def set_local_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Set ``param.grad`` from a local tensor (kept, not copied), as a DTensor of ``param``'s placements if
     ``param`` is one."""
-    if grad is not None and is_dtensor(param):
-        grad = _dtensor_class().from_local(grad, param.device_mesh, param.placements, shape=param.shape,
-                                           stride=param.stride())
-    param.grad = grad
+    param.grad = None if grad is None else like_parameter(param, grad)
 
 
 def torch_placements(layout) -> tuple:
