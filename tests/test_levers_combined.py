@@ -24,6 +24,9 @@ plans' own fields show each lever, and only it, really in use:
    matrices stored split on ``dp`` and regathered, every other parameter's
    optimizer state and gradient split (the embedding's state on ``tp``).
 
+The ZeRO-3 plan also compiles whole (``torch.compile(fullgraph=True)``, Dynamo
+and AOTAutograd through the ``aot_eager`` backend) and stays exact.
+
 On every rank of 4 real gloo processes, with dropout off, under each plan and
 under the plan with no lever: the step's loss and every gradient (under
 ZeRO-2, this device's slice of it) match the single device's to 1e-5, the
@@ -186,7 +189,13 @@ def _run(rank, world, plans):
         noisy = autotp.parallelize(_make(DROPOUT)[0], plan)
         dropped = _train(lambda *b: accumulate(noisy, plan, *b),
                          shard_optimizer(noisy, torch.optim.AdamW, **ADAMW), batches, seed=7)
+        if name == "zero3":  # compiled whole: regathering's hooks step aside while Dynamo traces
+            whole = autotp.parallelize(_make(0.0)[0], plan)
+            loss = torch.compile(whole, fullgraph=True, backend="aot_eager")(*inputs)
+            loss.backward()
+            compiled = (scaled_error(loss, want), _gradient_error(whole, first, plan, rank)[0])
         out[name] = {"output": scaled_error(got, want), "gradient": gradient, "sliced": sliced,
+                     "compiled": compiled if name == "zero3" else None,
                      "want": want_losses, "losses": losses, "dropped": dropped, "want_dropped": want_dropped,
                      "dp_gathers": gathers,
                      "split": len(getattr(local, "autotp_optimizer_shards", [])),
@@ -241,6 +250,16 @@ def test_each_lever_alone_and_all_together_train_exactly_as_one_device(results):
             # regathered: backward gathers again, so the step runs more all-gathers on dp than its forward passes
             forward = plan.micro_batches * len(_gathered_on_dp(plan))
             assert (e["dp_gathers"] > forward) == bool(plan.regather), (where, e["dp_gathers"], forward)
+
+
+def test_the_regathering_plan_compiles_whole_and_stays_exact(results):
+    """``torch.compile(fullgraph=True)`` of the ZeRO-3 rank module: one graph (any break is an error), loss and
+    every gradient within 1e-5 of the single device (`autotp.lower.regather.compiled_whole`)."""
+    plans, per_rank = results
+    assert plans["zero3"].regather == ["weights"]
+    for rank, by_plan in enumerate(per_rank):
+        output, gradient = by_plan["zero3"]["compiled"]
+        assert output <= TOLERANCE and gradient <= TOLERANCE, (rank, output, gradient)
 
 
 def test_with_dropout_on_each_plan_trains_as_one_device(results):

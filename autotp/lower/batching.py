@@ -26,21 +26,13 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.fx as fx
 from torch import nn
 
 from autotp.lower.batch_rule import DEFAULT_CAP_BYTES, Item, batch_groups
 from autotp.lower.collectives import Collective, count
 from autotp.lower.regather import regathering_nodes
-
-
-def _all_gather(out, x, group, async_op):
-    return dist.all_gather_single(out, x, group=group, async_op=async_op)
-
-
-def _reduce_scatter(out, x, group, async_op):
-    return dist.reduce_scatter_single(out, x, group=group, async_op=async_op)
 
 
 # kind of a Collective -> (forward primitive, backward primitive), DESIGN.md's table of duals
@@ -56,15 +48,14 @@ DUALS = {
 
 @dataclass
 class Pending:
-    """A collective in flight: its work handle (None when nothing was sent) and how to unpack its buffer."""
+    """A collective in flight: the buffer a functional collective returned, not yet waited for (None when
+    nothing was sent), and how to unpack the buffer once it has landed."""
 
-    work: object
-    unpack: object  # () -> list[Tensor]
+    buffer: torch.Tensor | None
+    unpack: object  # (landed buffer) -> list[Tensor]
 
     def finish(self) -> list[torch.Tensor]:
-        if self.work is not None:
-            self.work.wait()
-        return self.unpack()
+        return self.unpack(funcol.wait_tensor(self.buffer) if self.buffer is not None else None)
 
 
 def _flat(xs) -> torch.Tensor:
@@ -79,19 +70,17 @@ def _split(buf: torch.Tensor, shapes) -> list[torch.Tensor]:
 def _start_all_reduce(xs, dims, comm) -> Pending:
     buf = _flat(xs)
     count(comm, "all_reduce", buf.numel() * buf.element_size())
-    work = dist.all_reduce(buf, group=comm.group, async_op=True)
-    return Pending(work, lambda: _split(buf, [x.shape for x in xs]))
+    shapes = [x.shape for x in xs]
+    return Pending(funcol.all_reduce(buf, "sum", comm.group), lambda out: _split(out, shapes))
 
 
 def _start_gather(xs, dims, comm) -> Pending:
     """All-gather each tensor along its own dim, in one collective of the concatenated flat pieces."""
     n, local = comm.size, _flat(xs)
-    out = torch.empty(n * local.numel(), dtype=local.dtype, device=local.device)
-    count(comm, "all_gather", out.numel() * out.element_size())
-    work = _all_gather(out, local, comm.group, True)
+    count(comm, "all_gather", n * local.numel() * local.element_size())
     shapes = [x.shape for x in xs]
 
-    def unpack():
+    def unpack(out):
         rows, pieces, start = out.view(n, -1), [], 0
         for shape, dim in zip(shapes, dims):
             size = int(torch.Size(shape).numel())
@@ -102,7 +91,7 @@ def _start_gather(xs, dims, comm) -> Pending:
             start += size
         return pieces
 
-    return Pending(work, unpack)
+    return Pending(funcol.all_gather_single(local, 0, comm.group), unpack)
 
 
 def _start_reduce_scatter(xs, dims, comm) -> Pending:
@@ -110,24 +99,22 @@ def _start_reduce_scatter(xs, dims, comm) -> Pending:
     n = comm.size
     fronts = [x.movedim(d, 0) for x, d in zip(xs, dims)]
     packed = torch.cat([f.reshape(n, -1) for f in fronts], dim=1).reshape(-1)  # rank-major chunks
-    out = torch.empty(packed.numel() // n, dtype=packed.dtype, device=packed.device)
     count(comm, "reduce_scatter", packed.numel() * packed.element_size())
-    work = _reduce_scatter(out, packed, comm.group, True)
 
-    def unpack():
+    def unpack(out):
         local = [(f.shape[0] // n,) + tuple(f.shape[1:]) for f in fronts]
         return [piece.movedim(0, d) for piece, d in zip(_split(out, local), dims)]
 
-    return Pending(work, unpack)
+    return Pending(funcol.reduce_scatter_single(packed, "sum", 0, comm.group), unpack)
 
 
 def _start_chunk(xs, dims, comm) -> Pending:
     pieces = [x.chunk(comm.size, dim=d)[comm.index].contiguous() for x, d in zip(xs, dims)]
-    return Pending(None, lambda: pieces)
+    return Pending(None, lambda _: pieces)
 
 
 def _start_identity(xs, dims, comm) -> Pending:
-    return Pending(None, lambda: [x.view_as(x) for x in xs])
+    return Pending(None, lambda _: [x.view_as(x) for x in xs])
 
 
 _START = {"all_reduce": _start_all_reduce, "gather": _start_gather, "reduce_scatter": _start_reduce_scatter,

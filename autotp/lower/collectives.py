@@ -1,5 +1,9 @@
 """Collectives as autograd functions with the backward of DESIGN.md's table, wrapped as modules.
 
+Each collective is torch's functional one (``torch.distributed._functional_collectives``):
+an op that returns a new tensor, which ``torch.compile`` traces as it is and
+eager mode runs on the process group's backend, waited for at once.
+
 Each wrapper is an ``nn.Module`` without parameters, registered on the lowered
 GraphModule under a readable name (``all_reduce_tp``, ``all_gather_tp_d2``), so
 ``print(local.code)`` shows every collective where it runs.
@@ -11,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from autotp.lower.regather import tag, tagged
@@ -60,9 +64,7 @@ def _nbytes(x: torch.Tensor) -> int:
 
 
 def _gather(x: torch.Tensor, dim: int, group, n: int) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, group))
 
 
 def _chunk(x: torch.Tensor, dim: int, n: int, index: int) -> torch.Tensor:
@@ -70,16 +72,11 @@ def _chunk(x: torch.Tensor, dim: int, n: int, index: int) -> torch.Tensor:
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    out = x.contiguous().clone()
-    dist.all_reduce(out, group=group)
-    return out
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group, n: int) -> torch.Tensor:
-    front = x.movedim(dim, 0).contiguous()
-    out = torch.empty((front.shape[0] // n,) + tuple(front.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, front, group=group)
-    return out.movedim(0, dim)
+    return funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
 
 
 def _identity(x: torch.Tensor, comm, dim) -> torch.Tensor:

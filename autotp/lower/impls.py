@@ -18,7 +18,7 @@ data parallelism's loss:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from autotp.lower.collectives import all_reduce_partial
@@ -59,7 +59,7 @@ class VocabParallelCrossEntropy(nn.Module):
     def forward(self, logits, target):
         row_max = logits.detach().max(dim=1).values  # shift-invariant: no gradient flows through the max
         for comm in self.comms:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=comm.group)
+            row_max = funcol.wait_tensor(funcol.all_reduce(row_max, "max", comm.group))
         shifted = logits - row_max.unsqueeze(1)
         sum_exp = shifted.exp().sum(dim=1)
         local = target - self.start

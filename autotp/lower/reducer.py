@@ -22,6 +22,12 @@ added to it when it had one. So the optimizer sees the same ``.grad`` as
 without buckets, gradients accumulate over several backward passes as on one
 device, and a parameter's partial gradient is freed as soon as it is copied.
 
+The collectives here are c10d's in-place ones with work handles, as DDP's
+reducer issues them: they sum into the bucket's own storage, whose slots are
+the parameters' ``.grad`` views, from hooks that run outside any compiled
+graph (the program's own collectives are functional ones,
+`autotp.lower.collectives`).
+
 Every rank must issue the same collectives on a group in the same order.
 Hooks fire in the same order on every rank (the program is the same), so
 collectives are only ever started at those points: a bucket's first step

@@ -54,9 +54,19 @@ class Regathered:
 
 
 def tag(out: torch.Tensor, x: torch.Tensor, module) -> torch.Tensor:
-    """Mark ``out`` (``module`` applied to ``x``) as rebuildable from ``x``, or from ``x``'s own record."""
-    setattr(out, _TAG, Regathered(getattr(x, _TAG, None) or x.detach(), module))
+    """Mark ``out`` (``module`` applied to ``x``) as rebuildable from ``x``, or from ``x``'s own record (not while
+    ``torch.compile`` traces the module: see `compiled_whole`)."""
+    if not torch.compiler.is_compiling():
+        setattr(out, _TAG, Regathered(getattr(x, _TAG, None) or x.detach(), module))
     return out
+
+
+def compiled_whole() -> None:
+    """What regathering does under ``torch.compile``: nothing. Saved-tensor hooks and attributes set on tensors
+    do not trace, so while the module is compiled its regathering collectives neither tag nor hook, and
+    autograd saves the gathered tensors as the compiler's partitioner decides. The values are the same, and
+    the module compiles whole (``fullgraph=True``); what the plan counts as freed by regathering is held.
+    Eager runs of the same module regather as planned."""
 
 
 def tagged(x: torch.Tensor) -> bool:
@@ -79,12 +89,16 @@ def _unpack(packed):
 
 
 def _enter(module, args) -> None:
+    if torch.compiler.is_compiling():
+        return  # saved-tensor hooks do not trace: compiled, the module saves what it gathered (`compiled_whole`)
     hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
     hooks.__enter__()
     module.__dict__.setdefault("_autotp_saved_hooks", []).append(hooks)
 
 
 def _leave(module, args, output) -> None:
+    if torch.compiler.is_compiling():
+        return
     module.__dict__["_autotp_saved_hooks"].pop().__exit__(None, None, None)
 
 
