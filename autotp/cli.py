@@ -17,7 +17,7 @@ from pathlib import Path
 from autotp.api import DEFAULT_PROFILE, plan
 from autotp.cost.profile import load_profile
 from autotp.errors import AutotpError
-from autotp.fileio import atomic_write_bytes, atomic_write_text
+from autotp.fileio import atomic_write_text
 from autotp.interop import dtensor_plan, pins_from_styles, styles_from_plan
 from autotp.mesh import Mesh
 from autotp.model_spec import ModelSpec, build, is_plan_file, parse_model
@@ -156,11 +156,11 @@ def _write_outputs(args, result, model, inputs, kwargs, baselines, stages) -> No
         with stages.stage("drawing the op graph"):
             atomic_write_text(args.svg, plan_svg(result, rebuild_graph(model, inputs, kwargs)))
         print(f"op graph written to {args.svg}")
-    if args.png:
+    if args.chart:
         from autotp.report.chart import baseline_chart
 
-        atomic_write_bytes(args.png, baseline_chart(result, baselines or []))
-        print(f"chart written to {args.png}")
+        atomic_write_text(args.chart, baseline_chart(result, baselines or []))
+        print(f"chart written to {args.chart}")
 
 
 def dtensor_source(result, model, as_python: bool) -> str:
@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "solve)")
     p.add_argument("--json", default=None, help="also write the plan to this JSON file")
     p.add_argument("--svg", default=None, help="draw the op graph, identical layers folded, to this SVG file")
-    p.add_argument("--png", default=None, help="draw step time and memory against the baselines to this PNG file")
+    p.add_argument("--chart", default=None, help="draw step time and memory against the baselines to this SVG file")
     p.add_argument("--export-tp-plan", default=None, help="write the plan as a Hugging Face tp_plan JSON")
     p.add_argument("--export-dtensor", default=None,
                    help="write the plan as a DTensor parallelize_module plan (.py, or .json of class names)")

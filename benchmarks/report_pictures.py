@@ -1,4 +1,4 @@
-"""Regenerate docs/img/plan.svg and docs/img/baselines.png with the real command line.
+"""Regenerate docs/img/plan.svg and docs/img/baselines.svg with the real command line.
 
 A small Llama (4 layers, hidden 1024, 16 heads, 4 key/value heads, vocabulary
 32000, batch 8 x 512 tokens) on a 2x2 mesh of H100s, planned on the meta
@@ -21,7 +21,7 @@ MODEL = ["hf:llama", "--layers", "4", "--hidden", "1024", "--heads", "16", "--kv
 
 def command(img: Path = IMG) -> list[str]:
     """The `autotp` command line that plans the model and writes both pictures into ``img``."""
-    return ["plan", *MODEL, "--mesh", "2x2", "--svg", str(img / "plan.svg"), "--png", str(img / "baselines.png")]
+    return ["plan", *MODEL, "--mesh", "2x2", "--svg", str(img / "plan.svg"), "--chart", str(img / "baselines.svg")]
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ What runs small, and what is left out:
   source is one more subprocess of the same worker);
 - ``fuzz.py``: one seed on mesh 2 (tests/test_fuzz.py runs six on 2 and 3);
 - ``report_pictures.py`` is left out as a run: it is one ``autotp plan --svg
-  --png`` command that takes about 20 s (a 4-layer Llama on 2x2 with its
+  --chart`` command that takes about 20 s (a 4-layer Llama on 2x2 with its
   baselines), and tests/test_report.py runs that command's path on a small
   Llama. Here the CLI's own parser reads its command line, so a flag it
   passes that the CLI no longer takes fails;
@@ -165,7 +165,7 @@ def test_report_pictures_command_is_one_the_cli_accepts(tmp_path):
     args = build_parser().parse_args(report_pictures.command(tmp_path))
     assert (args.command, args.model, args.mesh) == ("plan", "hf:llama", "2x2")
     assert (args.layers, args.hidden, args.heads, args.kv_heads) == (4, 1024, 16, 4)
-    assert (Path(args.svg), Path(args.png)) == (tmp_path / "plan.svg", tmp_path / "baselines.png")
+    assert (Path(args.svg), Path(args.chart)) == (tmp_path / "plan.svg", tmp_path / "baselines.svg")
 
 
 # ---- on gloo processes --------------------------------------------------------------------------------------------

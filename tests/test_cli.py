@@ -144,7 +144,7 @@ def test_the_set_of_flags_is_pinned():
     assert flags == {
         "plan": sorted(["--bucket-cap-mb", "--export-dtensor", "--export-tp-plan", "--inference", "--json", "--links",
                         "--memory-limit", "--mesh", "--micro-batches", "--no-baselines", "--no-optimizer-sharding",
-                        "--no-overlap-gradients", "--no-overlap-tp", "--no-recompute", "--no-regather", "--png",
+                        "--no-overlap-gradients", "--no-overlap-tp", "--no-recompute", "--no-regather", "--chart",
                         "--precision", "--profile", "--quiet", "--recompute-layers", "--svg", "--tp-plan",
                         "--whole-outputs", *hf]),
         "verify": sorted(["--links", "--mesh", "--plan", "--profile", "--quiet", "--tolerance", *hf]),

@@ -1,4 +1,4 @@
-"""The plan as something people read: folded tables, baselines, re-costing, explanations, SVG and PNG.
+"""The plan as something people read: folded tables, baselines, re-costing, explanations, SVG graph and chart.
 
 One small Llama (2 layers, hidden 64) built from its config on the meta
 device is planned once through the command line (module fixture) under the
@@ -23,7 +23,6 @@ from autotp.progress import Stages
 from autotp.report.chart import TIME_COLORS
 from autotp.report.collapse import collapse
 from autotp.report.explain import ExplainError, explain_node, resolve
-from autotp.report.png import Canvas, decode_png
 from autotp.report.rebuild import all_strategies, chosen_strategies, rebuild_graph
 from autotp.solve.plan import Plan
 from conftest import weights_bound_profile
@@ -51,16 +50,6 @@ def test_stages_report_on_the_stream_given_and_nothing_when_disabled():
     assert quiet.getvalue() == ""
 
 
-def test_png_round_trips_pixels_and_text_has_ink():
-    canvas = Canvas(40, 20)
-    canvas.rect(2, 3, 5, 4, (10, 20, 30))
-    canvas.text(10, 2, "AB1", (0, 0, 0), scale=1)
-    width, height, pixels = decode_png(canvas.png())
-    assert (width, height) == (40, 20) and pixels == bytes(canvas.pixels)
-    assert pixels[(3 * 40 + 2) * 3:(3 * 40 + 2) * 3 + 3] == bytes((10, 20, 30))
-    assert sum(pixels[(y * 40 + x) * 3] == 0 for y in range(2, 9) for x in range(10, 27)) > 20  # glyphs drawn
-
-
 def test_hf_models_build_the_same_real_weights_in_every_process_and_meta_when_planning():
     spec = ModelSpec("hf:gpt2", {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64}, batch=2, seq=8)
     (a, args, kwargs), (b, _, _) = build(spec, meta=False), build(spec, meta=False)
@@ -73,17 +62,17 @@ def test_hf_models_build_the_same_real_weights_in_every_process_and_meta_when_pl
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    """One CLI run writing the plan, the SVG, the PNG and an HF tp_plan; its stdout."""
+    """One CLI run writing the plan, the SVG graph and chart and an HF tp_plan; its stdout."""
     tmp = tmp_path_factory.mktemp("report")
     profile = tmp / "weights-bound.json"
     profile.write_text(json.dumps(weights_bound_profile()))
-    paths = {k: tmp / name for k, name in (("json", "p.json"), ("svg", "p.svg"), ("png", "p.png"), ("tp", "tp.json"))}
+    paths = {k: tmp / name for k, name in (("json", "p.json"), ("svg", "p.svg"), ("chart", "chart.svg"), ("tp", "tp.json"))}
     out = io.StringIO()
     import contextlib
 
     with contextlib.redirect_stdout(out):
         rc = main(["plan", *LLAMA, "--mesh", "2", "--profile", str(profile), "--json", str(paths["json"]),
-                   "--svg", str(paths["svg"]), "--png", str(paths["png"]), "--export-tp-plan", str(paths["tp"]),
+                   "--svg", str(paths["svg"]), "--chart", str(paths["chart"]), "--export-tp-plan", str(paths["tp"]),
                    "--quiet"])
     assert rc == 0
     return dict(paths, stdout=out.getvalue(), profile=profile, tmp=tmp)
@@ -171,9 +160,11 @@ def test_pictures_are_valid_files(planned):
     assert svg.tag.endswith("svg")
     labels = [t.text or "" for t in svg.iter("{http://www.w3.org/2000/svg}text")]
     assert any("model.layers.* ×2" in t for t in labels)
-    width, height, pixels = decode_png(planned["png"].read_bytes())
-    assert width > 0 and height > 0
-    assert bytes(TIME_COLORS["compute"]) in {pixels[i:i + 3] for i in range(0, len(pixels), 3)}
+    chart = ET.parse(planned["chart"]).getroot()
+    bars = [r for r in chart.iter("{http://www.w3.org/2000/svg}rect") if r.get("fill") == TIME_COLORS["compute"]]
+    assert len(bars) >= 2 and all(float(r.get("height")) > 0 for r in bars)  # autotp's and a baseline's compute
+    words = {t.text for t in chart.iter("{http://www.w3.org/2000/svg}text")}
+    assert {"autotp", "step time (ms)", "memory per device (GiB)"} <= words
 
 
 @pytest.mark.parametrize("argv, message", [
