@@ -28,18 +28,23 @@ What runs small, and what is left out:
   Llama. Here the CLI's own parser reads its command line, so a flag it
   passes that the CLI no longer takes fails;
 - ``shapes.py`` is a helper, run here through big_plans, fit_70b and
-  layer_scaling.
+  layer_scaling;
+- ``gpu_check.py`` (for a machine with GPUs) runs on CPU under torchrun with
+  2 gloo processes and the ``aot_eager`` backend, 20 s.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
+import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import baselines  # noqa: E402
 import big_plans  # noqa: E402
@@ -233,3 +238,22 @@ def test_fuzz_main_one_seed_on_mesh_2(capsys):
     out = capsys.readouterr().out
     assert "mesh 2: 2 cases, 0 planning failures" in out
     assert re.search(r"^2 cases, 0 failures", out, re.M) and "FAIL" not in out
+
+
+def test_gpu_check_runs_its_path_on_cpu_under_torchrun(tmp_path):
+    """benchmarks/gpu_check.py, made for the first GPU machine, on 2 gloo processes: calibration, both plans
+    compiled (``aot_eager``), exact, timed; the Megatron plan splits weights, so exactness is not a replicated
+    plan's."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "benchmarks" / "gpu_check.py"), "--out", str(tmp_path / "profile"),
+           "--compile-backend", "aot_eager", "--max-size", "65536", "--repeats", "1"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert list((tmp_path / "profile").glob("*.json")), "no calibrated profile written"
+    split = dict(re.findall(r"^(\w+): (\d+) of \d+ parameters split", done.stdout, re.M))
+    assert set(split) == {"autotp", "megatron"} and int(split["megatron"]) > 0, done.stdout
+    (rows,) = tables(done.stdout)
+    assert [r["step"] for r in rows] == ["one device", "autotp eager", "autotp compiled", "megatron eager",
+                                         "megatron compiled"]
+    assert all(positive(r["ms"]) for r in rows)
