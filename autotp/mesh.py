@@ -5,7 +5,11 @@ in row-major order, as in ``torch.distributed.device_mesh.init_device_mesh``, so
 on ``Mesh("2x4")`` rank 5 sits at coordinate ``(1, 1)``.
 
     >>> Mesh("2x4", links="ethernet,nvlink")
-    Mesh(shape=(2, 4), names=('dp', 'tp'), links=('ethernet', 'nvlink'))
+    Mesh(shape=(2, 4), names=('axis0', 'axis1'), links=('ethernet', 'nvlink'))
+
+Axes are named ``axis0``, ``axis1``, ... unless named: a name such as ``dp``
+or ``tp`` would claim a role, and the planner gives each axis whatever role
+is fastest (the batch, the weights, both).
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from itertools import product
 from autotp.errors import MeshError
 
 LINK_CLASSES = ("nvlink", "pcie", "infiniband", "ethernet", "loopback")
-_DEFAULT_NAMES = {1: ("tp",), 2: ("dp", "tp"), 3: ("pp", "dp", "tp")}
 
 
 def _parse_shape(shape) -> tuple[int, ...]:
@@ -61,7 +64,7 @@ class Mesh:
     def __init__(self, shape, names=None, links=None):
         shape = _parse_shape(shape)
         if names is None:
-            names = _DEFAULT_NAMES.get(len(shape), tuple(f"axis{i}" for i in range(len(shape))))
+            names = tuple(f"axis{i}" for i in range(len(shape)))
         names = tuple(names)
         if len(names) != len(shape) or len(set(names)) != len(names):
             raise MeshError(f"mesh of shape {shape} needs {len(shape)} distinct axis names, got {names}")

@@ -68,7 +68,7 @@ from autotp.solve.constraints import same_as
 
 SPEC = ModelSpec("hf:llama", {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
                               "intermediate_size": 688, "vocab_size": 1024}, batch=8, seq=128)
-MESH = autotp.Mesh("2x2")  # dp x tp
+MESH = autotp.Mesh("2x2", names=("dp", "tp"))  # the roles its plans give the axes: the batch, the weights
 HIDDEN, LAYERS = 256, [f"model.layers.{i}" for i in range(4)]
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
 TERMS = ("parameters", "gradients", "optimizer", "buffers", "activations")

@@ -150,7 +150,7 @@ def test_big_plans_70b_on_one_node_with_two_layers(capsys):
     step = re.search(r"predicted step: ([\d.]+) ms = compute ([\d.]+) ms \+ communication ([\d.]+) ms", out)
     assert step and all(float(x) > 0 for x in step.groups())
     (rows,) = tables(out)
-    layouts = {r["parameter"]: (r["tp"], r["layers"]) for r in rows}
+    layouts = {r["parameter"]: (r["axis0"], r["layers"]) for r in rows}
     assert layouts["model.layers.*.self_attn.q_proj.weight"] == ("S(0)", "2")  # Megatron's column, then row
     assert layouts["model.layers.*.self_attn.o_proj.weight"] == ("S(1)", "2")
 

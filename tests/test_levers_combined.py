@@ -205,7 +205,7 @@ def _run(rank, world, plans):
 
 @pytest.fixture(scope="module")
 def results():
-    return planned_and_run(_run, _plans, autotp.Mesh("2x2"))
+    return planned_and_run(_run, _plans, autotp.Mesh("2x2", names=("dp", "tp")))  # the roles the plans give them
 
 
 def test_each_plan_really_uses_its_levers(results):

@@ -9,8 +9,8 @@ from autotp.errors import MeshError
 
 
 def test_forms_agree():
-    assert Mesh("2x4") == Mesh((2, 4)) == Mesh((2, 4), names=("dp", "tp"), links=("nvlink", "nvlink"))
-    assert Mesh("4").shape == (4,) and Mesh(4).names == ("tp",)
+    assert Mesh("2x4") == Mesh((2, 4)) == Mesh((2, 4), names=("axis0", "axis1"), links=("nvlink", "nvlink"))
+    assert Mesh("4").shape == (4,) and Mesh(4).names == ("axis0",)
     assert Mesh("4x8", links="ethernet,nvlink").links == ("ethernet", "nvlink")
 
 

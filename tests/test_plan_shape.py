@@ -49,7 +49,7 @@ def test_mlp_lowered_graph_has_one_all_reduce(mlp_plan):
     local = lower(capture(model, (x,)), plan, rank=1)  # inspection only: no process group needed
     calls = [n.target for n in local.graph.nodes if n.op == "call_module"]
     # x enters the column-split fc1 replicated; no gradient flows back to it, so there is no f step either
-    assert calls == ["all_reduce_tp"], local.code
+    assert calls == ["all_reduce_axis0"], local.code
     assert dict(local.named_parameters())["fc1.weight"].shape == (FFN // 4, HIDDEN)
     assert dict(local.named_parameters())["fc2.weight"].shape == (HIDDEN, FFN // 4)
 

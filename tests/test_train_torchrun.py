@@ -174,7 +174,7 @@ def test_loading_under_another_plan_or_nothing_is_a_clear_error(tmp_path, plan, 
     ranks = _locals(pristine)
     _save_all(tmp_path, ranks, plan, step=1)
     other = forced_plan("replicated", "gpt", autotp.Mesh("2x2"))
-    with pytest.raises(CheckpointError, match=r"was saved for plan \w+ on mesh Mesh\(dp=2.*but this run uses plan"):
+    with pytest.raises(CheckpointError, match=r"was saved for plan \w+ on mesh Mesh\(axis0=2.*but this run uses plan"):
         load_sharded(tmp_path, *ranks[0], other, 0)
     with pytest.raises(CheckpointError, match=f"{INDEX} is missing"):
         load_sharded(tmp_path / "nothing", *ranks[0], plan, 0)
