@@ -19,7 +19,7 @@ from autotp.lower import lower
 from autotp.materialize import StateDictSource, check_materialized, prepare_weights
 from autotp.mesh import Mesh
 from autotp.progress import Stages, stages_or_silent
-from autotp.report.scopes import node_scopes
+from autotp.capture.scopes import node_scopes
 from autotp.runtime.groups import device_mesh_groups, plan_device_mesh
 from autotp.runtime.mode import fix_mode
 from autotp.solve.assemble import assemble_plan, chosen_strategies, plan_memory

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autotp.report.scopes import layer_indices, layer_pattern
+from autotp.capture.scopes import layer_indices, layer_pattern
 
 
 @dataclass(frozen=True)
