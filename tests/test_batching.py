@@ -116,6 +116,6 @@ def test_inspection_lowering_without_groups_still_prints():
     model, inputs = make_model("gpt")
     plan = forced_plan("data_parallel", "gpt", autotp.Mesh("2"), overlap_gradients=False)
     local = autotp.parallelize(model, plan, rank=0, groups={}, batch_collectives=True, overlap=True)
-    assert "grad_all_reduce_tp_b0_start" in local.code
+    assert "grad_all_reduce_axis0_b0_start" in local.code
     with pytest.raises(RuntimeError, match="no process group"):
         local(*inputs).backward()
