@@ -254,7 +254,7 @@ def test_each_lever_alone_and_all_together_train_exactly_as_one_device(results):
 
 def test_the_regathering_plan_compiles_whole_and_stays_exact(results):
     """``torch.compile(fullgraph=True)`` of the ZeRO-3 rank module: one graph (any break is an error), loss and
-    every gradient within 1e-5 of the single device (`autotp.lower.regather.compiled_whole`)."""
+    every gradient within 1e-5 of the single device (`autotp.lower.regather`: regathering steps aside while compiled)."""
     plans, per_rank = results
     assert plans["zero3"].regather == ["weights"]
     for rank, by_plan in enumerate(per_rank):

@@ -5,7 +5,7 @@ an op that returns a new tensor, which ``torch.compile`` traces as it is and
 eager mode runs on the process group's backend, waited for at once.
 
 Each wrapper is an ``nn.Module`` without parameters, registered on the lowered
-GraphModule under a readable name (``all_reduce_tp``, ``all_gather_tp_d2``), so
+GraphModule under a readable name (``all_reduce_axis1``, ``all_gather_axis1_d2``), so
 ``print(local.code)`` shows every collective where it runs.
 """
 
@@ -63,7 +63,7 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
-def _gather(x: torch.Tensor, dim: int, group, n: int) -> torch.Tensor:
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, group))
 
 
@@ -75,7 +75,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group, n: int) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
 
 
@@ -90,7 +90,7 @@ def _all_reduce_on(x, comm, dim):
 
 def _gather_on(x, comm, dim):
     count(comm, "all_gather", _nbytes(x) * comm.size)
-    return _gather(x, dim, comm.group, comm.size)
+    return _gather(x, dim, comm.group)
 
 
 def _chunk_on(x, comm, dim):
@@ -99,7 +99,7 @@ def _chunk_on(x, comm, dim):
 
 def _reduce_scatter_on(x, comm, dim):
     count(comm, "reduce_scatter", _nbytes(x))
-    return _reduce_scatter(x, dim, comm.group, comm.size)
+    return _reduce_scatter(x, dim, comm.group)
 
 
 DUALS = {

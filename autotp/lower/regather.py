@@ -26,6 +26,13 @@ recomputed layer the checkpoint's own hooks take over: `recompute_layers`
 puts the regathering collectives into the checkpointed stretch of the ops
 that read them, so the checkpoint keeps the shard and its recomputation
 gathers again (`regathering_nodes`).
+
+Under ``torch.compile`` regathering does nothing: saved-tensor hooks and
+attributes set on tensors do not trace, so while the module is compiled its
+regathering collectives neither tag nor hook, and autograd saves the
+gathered tensors as the compiler's partitioner decides. The values are the
+same and the module compiles whole (``fullgraph=True``); what the plan counts
+as freed by regathering is held. Eager runs regather as planned.
 """
 
 from __future__ import annotations
@@ -55,18 +62,10 @@ class Regathered:
 
 def tag(out: torch.Tensor, x: torch.Tensor, module) -> torch.Tensor:
     """Mark ``out`` (``module`` applied to ``x``) as rebuildable from ``x``, or from ``x``'s own record (not while
-    ``torch.compile`` traces the module: see `compiled_whole`)."""
+    ``torch.compile`` traces the module: see the module's docstring)."""
     if not torch.compiler.is_compiling():
         setattr(out, _TAG, Regathered(getattr(x, _TAG, None) or x.detach(), module))
     return out
-
-
-def compiled_whole() -> None:
-    """What regathering does under ``torch.compile``: nothing. Saved-tensor hooks and attributes set on tensors
-    do not trace, so while the module is compiled its regathering collectives neither tag nor hook, and
-    autograd saves the gathered tensors as the compiler's partitioner decides. The values are the same, and
-    the module compiles whole (``fullgraph=True``); what the plan counts as freed by regathering is held.
-    Eager runs of the same module regather as planned."""
 
 
 def tagged(x: torch.Tensor) -> bool:
@@ -90,7 +89,7 @@ def _unpack(packed):
 
 def _enter(module, args) -> None:
     if torch.compiler.is_compiling():
-        return  # saved-tensor hooks do not trace: compiled, the module saves what it gathered (`compiled_whole`)
+        return  # saved-tensor hooks do not trace: compiled, the module saves what it gathered (module docstring)
     hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
     hooks.__enter__()
     module.__dict__.setdefault("_autotp_saved_hooks", []).append(hooks)
