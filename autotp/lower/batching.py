@@ -5,9 +5,9 @@ groups collectives of the same kind on the same mesh axis that do not depend
 on each other and share a dtype (the rule is `autotp.lower.batch_rule.batch_groups`;
 concatenating an int64 tensor with floats would change it) and replaces each group by two graph nodes:
 
-    h = all_gather_tp_x3_start(q_in, k_in, v_in)   # flatten, concatenate, one async collective
+    h = all_gather_axis0_x3_start(q_in, k_in, v_in)   # flatten, concatenate, one async collective
     ...                                             # compute that does not need the result
-    out = all_gather_tp_x3_wait(h)                  # wait, split back, reshape
+    out = all_gather_axis0_x3_wait(h)                  # wait, split back, reshape
 
 The backward pass mirrors it: the wait node's backward starts the dual
 collective on the flattened gradients, and the start node's backward waits
