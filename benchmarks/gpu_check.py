@@ -38,7 +38,7 @@ import torch.distributed as dist
 import autotp
 from autotp.calibrate import calibrate
 from autotp.report.baselines import baseline_plans
-from autotp.runtime.verify import scaled_error
+from autotp.runtime.verify import scaled_error, worst_gradient_error
 
 CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
               num_key_value_heads=4, max_position_embeddings=256, attention_dropout=0.0, tie_word_embeddings=False)
@@ -70,20 +70,6 @@ def timed(module, ids, repeats: int, device) -> float:
         step(module, ids)
     sync()
     return (time.perf_counter() - started) / repeats
-
-
-def worst_gradient_error(local, whole, plan, rank) -> float:
-    """The largest error of this rank's gradients against its pieces of the whole model's."""
-    from autotp.lower import shard_tensor
-    from autotp.lower.dtensor import local_grad
-    from autotp.placement import parse_layout
-
-    coords, want = plan.mesh.coords(rank), dict(whole.named_parameters())
-    worst = 0.0
-    for name, p in local.named_parameters():
-        piece = shard_tensor(want[name].grad, parse_layout(plan.parameters[name]), plan.mesh.shape, coords)
-        worst = max(worst, scaled_error(local_grad(p), piece))
-    return worst
 
 
 def main() -> int:

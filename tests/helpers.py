@@ -84,17 +84,6 @@ def split_optimizer_where_whole(mesh_shape, gradients: bool | None = None):
     return allow
 
 
-def worst_gradient_error(local, reference, plan, rank: int) -> float:
-    """The largest `scaled_error` of a rank module's gradient against its piece of the single device's."""
-    from autotp.lower import shard_tensor
-    from autotp.placement import parse_layout
-    from autotp.runtime.verify import scaled_error
-
-    coords, shape, ref = plan.mesh.coords(rank), plan.mesh.shape, dict(reference.named_parameters())
-    return max(scaled_error(p.grad, shard_tensor(ref[n].grad, parse_layout(plan.parameters[n]), shape, coords))
-               for n, p in local.named_parameters())
-
-
 def recomputed_stretches(local) -> int:
     """How many stretches of the rank module run under activation checkpointing."""
     return sum(1 for name, _ in local.named_children() if name.startswith("recompute_"))

@@ -37,10 +37,9 @@ from autotp.lower.regather import Regathered
 from autotp.model_spec import ModelSpec, build
 from autotp.report.baselines import baseline_plans, sequence_parallel_only
 from autotp.runtime import spawn
-from autotp.runtime.verify import max_errors, scaled_error
+from autotp.runtime.verify import max_errors, scaled_error, worst_gradient_error
 from autotp.solve.constraints import same_as
-from helpers import (activation_bound_gpt, check_exact_with_dropout, dropout_net, planned_and_run,
-                     worst_gradient_error)
+from helpers import activation_bound_gpt, check_exact_with_dropout, dropout_net, planned_and_run
 
 aten = torch.ops.aten
 TOLERANCE = 1e-5

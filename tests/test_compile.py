@@ -20,9 +20,9 @@ import torch
 import autotp
 from autotp.lower.collective_matmul import GatherMatmul, MatmulScatter
 from autotp.runtime import spawn
-from autotp.runtime.verify import scaled_error
+from autotp.runtime.verify import scaled_error, worst_gradient_error
 from conftest import compute_bound_profile
-from helpers import dropout_net, make_model, worst_gradient_error
+from helpers import dropout_net, make_model
 
 TOLERANCE = 1e-5
 MODELS = {"gpt": lambda: make_model("gpt"), "dropout_net": lambda: dropout_net(0.3, seq=8)}

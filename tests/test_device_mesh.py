@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 import autotp
 from autotp.errors import MeshError
 from autotp.runtime import spawn
-from autotp.runtime.verify import scaled_error
+from autotp.runtime.verify import scaled_error, worst_gradient_error
 from conftest import compute_bound_profile
-from helpers import make_model, worst_gradient_error
+from helpers import make_model
 
 TOLERANCE = 1e-5
 

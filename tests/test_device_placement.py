@@ -17,9 +17,9 @@ from __future__ import annotations
 import autotp
 import hf_models
 from autotp.runtime import spawn
-from autotp.runtime.verify import scaled_error
+from autotp.runtime.verify import scaled_error, worst_gradient_error
 from conftest import compute_bound_profile
-from helpers import make_model, worst_gradient_error
+from helpers import make_model
 
 TOLERANCE = 1e-5
 

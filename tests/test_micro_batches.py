@@ -33,8 +33,9 @@ from autotp.errors import MemoryLimitError, PlanError
 from autotp.lower.collectives import CommCounter
 from autotp.report.baselines import batch_split_only
 from autotp.runtime import accumulate, local_tensor, shard_optimizer
+from autotp.runtime.verify import worst_gradient_error
 from conftest import compute_bound_profile
-from helpers import planned_and_run, recomputed_stretches, split_optimizer_where_whole, worst_gradient_error
+from helpers import planned_and_run, recomputed_stretches, split_optimizer_where_whole
 from models import GPT
 
 TOLERANCE = 1e-5

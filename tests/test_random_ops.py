@@ -25,10 +25,9 @@ from autotp.cost.compute import forward_time_s
 from autotp.cost.profile import load_profile
 from autotp.placement import R, Shard
 from autotp.runtime import spawn
-from autotp.runtime.verify import scaled_error
+from autotp.runtime.verify import scaled_error, worst_gradient_error
 from autotp.strategies.base import Strategy
 from conftest import compute_bound_profile
-from helpers import worst_gradient_error
 
 TOLERANCE = 1e-6
 RANDOM = ("dropout", "feature_dropout", "rand_like", "randn_like")

@@ -23,10 +23,10 @@ import torch
 import autotp
 from autotp.errors import MemoryLimitError, PlanError
 from autotp.lower.collectives import CommCounter
-from autotp.runtime.verify import scaled_error
+from autotp.runtime.verify import scaled_error, worst_gradient_error
 from conftest import compute_bound_profile
 from helpers import (
-    check_exact_with_dropout, dropout_net, make_model, planned_and_run, recomputed_stretches, worst_gradient_error)
+    check_exact_with_dropout, dropout_net, make_model, planned_and_run, recomputed_stretches)
 
 TOLERANCE = 1e-5
 

@@ -26,9 +26,8 @@ import autotp
 from autotp.errors import MemoryLimitError
 from autotp.lower.collectives import Collective, CommCounter
 from autotp.report.baselines import sequence_parallel_only
-from autotp.runtime.verify import scaled_error
-from helpers import (activation_bound_gpt, check_exact_with_dropout, dropout_net, planned_and_run,
-                     worst_gradient_error)
+from autotp.runtime.verify import scaled_error, worst_gradient_error
+from helpers import activation_bound_gpt, check_exact_with_dropout, dropout_net, planned_and_run
 
 TOLERANCE = 1e-5
 HIDDEN = 16  # dropout_net's

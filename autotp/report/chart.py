@@ -68,22 +68,22 @@ def _label_lines(name: str) -> list[str]:
 
 def _panel(canvas, x0, title, unit, columns, parts_of, colors) -> None:
     """One panel: title, axis with three ticks, a stacked bar per column, the total above each bar."""
-    canvas.text(x0 + LEFT, 20, f"{title} ({unit})", INK)
+    canvas.text(x0 + LEFT, 20, f"{title} ({unit})")
     top = max((sum(parts_of(p).values()) for _, p in columns if p is not None), default=1.0) or 1.0
     plot_h, base = PANEL_H - TOP - BOTTOM, PANEL_H - BOTTOM
     for frac in (0.0, 0.5, 1.0):
         y = base - int(frac * plot_h)
         canvas.rect(x0 + LEFT, y, PANEL_W - LEFT - 20, 1, GRID)
         label = _number(top * frac)
-        canvas.text(x0 + LEFT - 8 - Canvas.text_width(label), y - 7, label, INK)
+        canvas.text(x0 + LEFT - 8 - Canvas.text_width(label), y - 7, label)
     slot = (PANEL_W - LEFT - 20) // max(len(columns), 1)
     for i, (name, plan) in enumerate(columns):
         x = x0 + LEFT + i * slot + slot // 5
         width = slot * 3 // 5
         for line, label in enumerate(_label_lines(name)):
-            canvas.text(x + (width - Canvas.text_width(label)) // 2, base + 12 + 18 * line, label, INK)
+            canvas.text(x + (width - Canvas.text_width(label)) // 2, base + 12 + 18 * line, label)
         if plan is None:
-            canvas.text(x + (width - Canvas.text_width("n/a")) // 2, base - 24, "n/a", INK)
+            canvas.text(x + (width - Canvas.text_width("n/a")) // 2, base - 24, "n/a")
             continue
         y, parts = base, parts_of(plan)
         for part, value in parts.items():
@@ -91,7 +91,7 @@ def _panel(canvas, x0, title, unit, columns, parts_of, colors) -> None:
             canvas.rect(x, y - h, width, h, colors[part])
             y -= h
         total = _number(sum(parts.values()))
-        canvas.text(x + (width - Canvas.text_width(total)) // 2, y - 20, total, INK)
+        canvas.text(x + (width - Canvas.text_width(total)) // 2, y - 20, total)
     _legend(canvas, x0 + LEFT, x0 + PANEL_W - 10, PANEL_H - 46,
             [(k, c) for k, c in colors.items() if any(p is not None and parts_of(p).get(k) for _, p in columns)])
 
@@ -104,7 +104,7 @@ def _legend(canvas, x_start, x_end, y, items) -> None:
         if x + width > x_end:
             x, y = x_start, y + 22
         canvas.rect(x, y, 12, 12, color)
-        canvas.text(x + 16, y, name, INK)
+        canvas.text(x + 16, y, name)
         x += width
 
 

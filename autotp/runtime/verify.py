@@ -75,6 +75,14 @@ def _compare(got: torch.Tensor, want: torch.Tensor, what: str, mismatches: list[
     return scaled_error(got, want) / dtype_scale(want.dtype)
 
 
+def worst_gradient_error(local, reference, plan, rank: int) -> float:
+    """The largest `scaled_error` of this rank module's gradients against their pieces of ``reference``'s (the
+    single-device model, after the same step): the check of tests and of benchmarks/gpu_check.py."""
+    coords, shape, ref = plan.mesh.coords(rank), plan.mesh.shape, dict(reference.named_parameters())
+    return max(scaled_error(local_grad(p), shard_tensor(ref[n].grad, parse_layout(plan.parameters[n]), shape, coords))
+               for n, p in local.named_parameters())
+
+
 def max_errors(model: torch.nn.Module, plan, inputs, rank: int, groups=None, kwargs=None) -> dict:
     """This rank against one device: the largest error of its outputs and of its parameters' gradients (in
     float32 terms, above), how many parameters were compared, and any shape or dtype mismatch named."""
