@@ -35,6 +35,29 @@ def mistral(vocab=VOCAB, heads=4, kv_heads=2, layers=2, hidden=64, dropout=0.0):
     return MistralForCausalLM(config), (ids,), {"labels": ids}
 
 
+def mixtral(vocab=VOCAB, heads=4, kv_heads=2, layers=2, hidden=64, experts=4, top_k=2, dropout=0.0):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                           num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                           num_local_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=64,
+                           attention_dropout=dropout)
+    ids = _ids(vocab)
+    return MixtralForCausalLM(config), (ids,), {"labels": ids}
+
+
+def qwen2_moe(vocab=VOCAB, heads=4, kv_heads=2, layers=2, hidden=64, experts=4, top_k=2, dropout=0.0):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                            moe_intermediate_size=hidden, shared_expert_intermediate_size=2 * hidden,
+                            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                            num_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=64,
+                            attention_dropout=dropout)
+    ids = _ids(vocab)
+    return Qwen2MoeForCausalLM(config), (ids,), {"labels": ids}
+
+
 def gpt2(vocab=VOCAB, heads=4, layers=2, hidden=64, dropout=0.0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -64,7 +87,8 @@ def vit(heads=4, layers=2, hidden=64, image=32, patch=8, batch=BATCH, dropout=0.
 
 
 FAMILIES = {"llama": llama, "gpt2": gpt2, "bert": bert, "vit": vit}
-MORE = {"mistral": mistral}  # built by `build`, not among the families every test runs
+MORE = {"mistral": mistral, "mixtral": mixtral, "qwen2_moe": qwen2_moe}  # built by `build`, not among the families
+# every test runs
 
 
 def build(name: str, train: bool = True, **overrides):

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import math
 
-from autotp.placement import local_bytes, shard_factor
+from autotp.capture.experts import EXPERTS
+from autotp.placement import local_bytes, local_shape, shard_factor
 from autotp.redistribute import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, SLICE
+from autotp.strategies.experts import INDEX, TOKENS, routed_axes
+
+ALL_TO_ALL = "all_to_all"
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb=25
 
@@ -86,23 +90,33 @@ def gradient_slice_time_s(axes, gradient_bytes: int, mesh, profile, bucket_bytes
     return bucketed_time_s(REDUCE_SCATTER, axes, gradient_bytes, gradient_bytes, mesh, profile, bucket_bytes)
 
 
-def inner_all_reduces(op, strategy, mesh) -> list[tuple[int, int]]:
-    """``(axis, message_bytes)`` of each all-reduce a strategy's own implementation runs.
+def inner_collective_calls(op, strategy, mesh, training: bool) -> list[tuple[str, int, int, str]]:
+    """``(kind, axis, message_bytes, phase)`` of each collective a strategy's own implementation runs.
 
-    The vocabulary-parallel loss reduces one fp32 value per local row, three
-    times; the batch-split mean loss two values once (the sum and the count).
+    The vocabulary-parallel loss all-reduces one fp32 value per local row,
+    three times; the batch-split mean loss two values once (the sum and the
+    count). Expert parallelism sends each routed (token, expert) pair's hidden
+    vector to its expert's owner and back by all-to-all on each routing axis,
+    forward and again in backward (`autotp.strategies.experts`).
     """
-    if not any(strategy.inner_all_reduces):
-        return []
-    values = strategy.inner_values or op.in_metas[0].shape[0] // shard_factor(strategy.ins[0], 0, mesh.shape)
-    return [(axis, values * 4) for axis, calls in enumerate(strategy.inner_all_reduces)
-            if mesh.shape[axis] > 1 for _ in range(calls)]
+    calls = []
+    if any(strategy.inner_all_reduces):
+        values = strategy.inner_values or op.in_metas[0].shape[0] // shard_factor(strategy.ins[0], 0, mesh.shape)
+        calls += [(ALL_REDUCE, axis, values * 4, "forward") for axis, n in enumerate(strategy.inner_all_reduces)
+                  if mesh.shape[axis] > 1 for _ in range(n)]
+    if op.target == EXPERTS:
+        axes = [a for a in routed_axes(strategy) if mesh.shape[a] > 1]
+        pairs = math.prod(local_shape(op.in_metas[INDEX].shape, strategy.ins[INDEX], mesh.shape))
+        nbytes = pairs * op.in_metas[TOKENS].shape[-1] * op.in_metas[TOKENS].dtype.itemsize
+        phases = ("forward", "backward") if training and op.requires_grad else ("forward",)
+        calls += [(ALL_TO_ALL, a, nbytes, phase) for phase in phases for a in axes for _ in range(2)]
+    return calls
 
 
-def inner_time_s(op, strategy, mesh, profile) -> float:
-    """Seconds of the all-reduces run inside a strategy's own implementation."""
-    return sum(collective_time_s(ALL_REDUCE, axis, nbytes, mesh, profile)
-               for axis, nbytes in inner_all_reduces(op, strategy, mesh))
+def inner_time_s(op, strategy, mesh, profile, training: bool) -> float:
+    """Seconds of the collectives run inside a strategy's own implementation."""
+    return sum(collective_time_s(kind, axis, nbytes, mesh, profile)
+               for kind, axis, nbytes, _ in inner_collective_calls(op, strategy, mesh, training))
 
 
 def optimizer_gather(op, strategy, mesh) -> tuple[tuple, int] | None:

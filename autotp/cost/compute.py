@@ -3,6 +3,8 @@
 ``max(flops / (peak[dtype] * matmul_efficiency), bytes / (hbm_bw * memory_efficiency)) + launch``,
 times ``1 + backward_compute_factor`` when the op is differentiated in training.
 Views cost nothing: no kernel runs. A split random op also draws its whole tensor.
+A mixture of experts' work is its (token, expert) pairs, however they are split
+(`autotp.strategies.experts.work_share`).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import math
 
 import torch
 
+from autotp.capture.experts import EXPERTS
 from autotp.graph.flops import is_alias, op_bytes, op_flops
 from autotp.graph.opgraph import KIND_OP, TensorMeta
 from autotp.graph.random import SDPA, draws_whole, sdpa_weights_shape
 from autotp.placement import local_shape
+from autotp.strategies.experts import work_share
 
 
 def local_metas(metas, layouts, mesh_shape) -> list[TensorMeta]:
@@ -35,7 +39,10 @@ def forward_time_s(op, strategy, mesh, profile) -> float:
     ins = local_metas(op.in_metas, strategy.ins, shape)
     outs = local_metas(op.out, [strategy.out] * len(op.out), shape)
     dev = profile.device
-    flops_s = op_flops(op.target, ins, outs) / (profile.peak_flops(_compute_dtype(op)) * dev["matmul_efficiency"])
+    flops = op_flops(op.target, ins, outs)
+    if op.target == EXPERTS:  # local shapes overcount the pairs of experts split over whole tokens
+        flops = op_flops(op.target, op.in_metas, op.out) * work_share(strategy, shape)
+    flops_s = flops / (profile.peak_flops(_compute_dtype(op)) * dev["matmul_efficiency"])
     bytes_s = (op_bytes(op.target, ins, outs) + _whole_draw_bytes(op, strategy, shape)) / (
         dev["memory_bandwidth_Bps"] * dev["memory_efficiency"])
     return max(flops_s, bytes_s) + dev["launch_overhead_s"]

@@ -92,7 +92,7 @@ def explain_node(graph, strategies, chosen: dict, name: str, mesh, profile, trai
             outgoing += sum(_edge_s(s.out, (R,) * mesh.ndim, meta, mesh, profile, training,
                                     op.requires_grad and meta.is_float, (), False) for meta in op.out)
         options.append(Option(describe(s), compute_time_s(op, s, mesh, profile, training),
-                              inner_time_s(op, s, mesh, profile), incoming, outgoing,
+                              inner_time_s(op, s, mesh, profile, training), incoming, outgoing,
                               sum(node_memory_bytes(op, s, mesh, training).values()), s == chosen[name]))
     return options
 

@@ -11,7 +11,7 @@ all-gathers behind the next forward), is that step time again.
 
 from __future__ import annotations
 
-from autotp.cost.comm import (collective_time_s, gradient_slice_time_s, inner_all_reduces, optimizer_gather,
+from autotp.cost.comm import (collective_time_s, gradient_slice_time_s, inner_collective_calls, optimizer_gather,
                               optimizer_time_s)
 from autotp.cost.compute import compute_time_s
 from autotp.cost.memory import kept_use_bytes, memory_by_term
@@ -60,15 +60,12 @@ def edge_collectives(mesh, profile, training, node, producer, index, src, dst, m
     return out
 
 
-def inner_collectives(op, strategy, mesh, profile) -> list[dict]:
-    """The all-reduces a strategy's own implementation runs (vocabulary-parallel loss)."""
-    out = []
-    for axis, nbytes in inner_all_reduces(op, strategy, mesh):
-        record = {"node": op.name, "input": 0, "producer": op.name, "phase": "forward", "kind": "all_reduce",
-                  "axis": mesh.names[axis], "bytes": int(nbytes),
-                  "time_s": _round(collective_time_s("all_reduce", axis, nbytes, mesh, profile))}
-        out.append(record)
-    return out
+def inner_collectives(op, strategy, mesh, profile, training: bool) -> list[dict]:
+    """The collectives a strategy's own implementation runs (vocabulary-parallel loss, expert parallelism)."""
+    return [{"node": op.name, "input": 0, "producer": op.name, "phase": phase, "kind": kind,
+             "axis": mesh.names[axis], "bytes": int(nbytes),
+             "time_s": _round(collective_time_s(kind, axis, nbytes, mesh, profile))}
+            for kind, axis, nbytes, phase in inner_collective_calls(op, strategy, mesh, training)]
 
 
 def optimizer_collectives(op, strategy, mesh, profile) -> list[dict]:
@@ -106,7 +103,7 @@ def all_collectives(graph, chosen, mesh, profile, training, whole_outputs=False,
     """The collectives of the lowered program; uses of one tensor in one layout share them."""
     out = []
     for op in graph.nodes():
-        out += inner_collectives(op, chosen[op.name], mesh, profile)
+        out += inner_collectives(op, chosen[op.name], mesh, profile, training)
         out += optimizer_collectives(op, chosen[op.name], mesh, profile)
     for producer, uses, meta, dst, grad, summed, split in distinct_uses(graph, chosen, mesh, training, whole_outputs):
         consumer, i = uses[0]

@@ -305,7 +305,7 @@ class _Coster:
             if strategy.gradient_split and op.name not in self.deferred:
                 group.cost_s[c] = math.inf  # its gradient is summed in the program, not in the reducer's buckets
             per_micro_batch = (compute_time_s(op, strategy, self.mesh, self.profile, self.training)
-                               + inner_time_s(op, strategy, self.mesh, self.profile))
+                               + inner_time_s(op, strategy, self.mesh, self.profile, self.training))
             group.cost_s[c] += count * (self.problem.micro_batches * per_micro_batch
                                         + (0.0 if self.prefetched(op) else optimizer_time_s(op, strategy, self.mesh,
                                                                                            self.profile)))

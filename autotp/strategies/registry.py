@@ -11,7 +11,8 @@ import operator
 
 import torch
 
-from autotp.strategies import (attention, conv, embedding, inplace, loss, matmul, norms, pointwise, pooling,
+from autotp.capture.experts import EXPERTS
+from autotp.strategies import (attention, conv, embedding, experts, inplace, loss, matmul, norms, pointwise, pooling,
                                reductions, views)
 from autotp.strategies.base import RuleEntry
 
@@ -81,4 +82,5 @@ def default_registry() -> dict:
         reg[overload] = RuleEntry(pointwise.unary_rule)
     add(["topk", "sort", "cumsum", "cumprod"], reductions.along_dim_rule)
     add(inplace.INPLACE_UPDATES, inplace.in_place_update_rule)
+    reg[EXPERTS] = RuleEntry(experts.experts_rule)
     return reg
