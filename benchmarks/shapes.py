@@ -52,3 +52,16 @@ def gpt3_175b(layers: int = 96, seq: int = 2048, batch: int = 1):
         model = GPT(vocab=50304, hidden=12288, heads=96, layers=layers, seq=seq).to(torch.bfloat16)
     ids = _ids(50304, batch, seq)
     return model, (ids, ids), {}
+
+
+def mixtral_8x7b(layers: int = 32, seq: int = 4096, batch: int = 1, dtype=torch.bfloat16):
+    """Mixtral-8x7B: hidden 4096, GQA 32/8 heads, 8 experts of FFN 14336 with 2 per token, vocab 32000."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                           num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                           max_position_embeddings=seq)
+    with torch.device("meta"):
+        model = MixtralForCausalLM(config).to(dtype)
+    ids = _ids(32000, batch, seq)
+    return model, (ids,), {"labels": ids}

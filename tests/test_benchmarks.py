@@ -27,6 +27,7 @@ What runs small, and what is left out:
   baselines), and tests/test_report.py runs that command's path on a small
   Llama. Here the CLI's own parser reads its command line, so a flag it
   passes that the CLI no longer takes fails;
+- ``moe_plans.py``: Mixtral-8x7B with 1 of its 32 layers;
 - ``shapes.py`` is a helper, run here through big_plans, fit_70b and
   layer_scaling;
 - ``gpu_check.py`` (for a machine with GPUs) runs on CPU under torchrun with
@@ -55,6 +56,7 @@ import hf_models  # noqa: E402  (examples/, on the path through conftest)
 import layer_scaling  # noqa: E402
 import materialize_memory  # noqa: E402
 import memory_fidelity  # noqa: E402
+import moe_plans  # noqa: E402
 import plan_time  # noqa: E402
 import report_pictures  # noqa: E402
 import runtime  # noqa: E402
@@ -164,6 +166,18 @@ def test_fit_70b_one_node_with_two_layers_against_megatron(capsys):
     ratio = re.search(r"autotp / megatron-sp = ([\d.]+)", out)
     assert ratio and float(ratio.group(1)) <= 1.0
     assert "FSDP (ZeRO-3 over every device, one micro-batch a step): n/a" in out  # a batch of 1 over 8 devices
+
+
+def test_moe_plans_one_layer_the_ilp_no_slower_than_any_way_of_splitting_experts(capsys):
+    moe_plans.main(["--layers", "1"])
+    found = tables(capsys.readouterr().out)
+    assert len(found) == 2  # mixed precision unlimited, bf16 under the default limit
+    for rows in found:
+        assert [r["experts"] for r in rows] == list(moe_plans.WAYS)
+        steps = {r["experts"]: number(r["step (ms)"]) for r in rows if not r["step (ms)"].startswith("does not")}
+        assert steps["ilp"] <= min(steps.values())
+        routed = {r["experts"]: number(r["all-to-all"]) for r in rows}
+        assert routed["expert-parallel"] > 0 and routed["tokens-split"] == routed["replicated"] == 0
 
 
 def test_report_pictures_command_is_one_the_cli_accepts(tmp_path):
