@@ -1,8 +1,10 @@
 """Random small models built from the supported op families, for fuzzing exactness.
 
 `FuzzModel(seed)` stacks 1-3 blocks on a ``[batch, seq, width]`` input. Each
-block is an MLP or an attention block (heads split and merged by views),
-optionally behind a layer norm, optionally residual, optionally reusing an
+block is an MLP, an attention block (heads split and merged by views), a
+mixture of experts (a router's top-k into `autotp.capture.experts.experts`),
+or a block of integer and boolean tensors with dropout, optionally behind a
+layer norm, optionally residual, optionally reusing an
 earlier block's weights; widths are drawn from primes and composites. The
 same seed builds the same model and inputs in every process.
 """
@@ -15,8 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autotp.capture.experts import experts
+
 WIDTHS = (4, 5, 6, 7, 8, 11, 12, 13, 16)
 ACTIVATIONS = (F.gelu, F.relu, torch.tanh, F.silu)
+EXPERT_ACTIVATIONS = ("silu", "relu", "gelu")
 
 
 class MLPBlock(nn.Module):
@@ -42,6 +47,37 @@ class AttentionBlock(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
+class MoEBlock(nn.Module):
+    """A router's top-k experts per token, weights renormalised, as transformers' Mixtral routes."""
+
+    def __init__(self, width: int, inner: int, n_experts: int, top_k: int, activation: str):
+        super().__init__()
+        self.router = nn.Linear(width, n_experts, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(n_experts, 2 * inner, width) / width ** 0.5)
+        self.down = nn.Parameter(torch.randn(n_experts, width, inner) / inner ** 0.5)
+        self.top_k, self.activation = top_k, activation
+
+    def forward(self, x):
+        b, s, w = x.shape
+        flat = x.reshape(b * s, w)
+        weights, index = torch.topk(F.softmax(self.router(flat), dim=-1), self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts(flat, index, weights, self.gate_up, self.down, self.activation).view(b, s, w)
+
+
+class MaskBlock(nn.Module):
+    """Boolean and integer tensors (a comparison, an argmax and its parity) and dropout, around a linear."""
+
+    def __init__(self, width: int, p: float):
+        super().__init__()
+        self.proj, self.p = nn.Linear(width, width), p
+
+    def forward(self, x):
+        above = x > x.mean(dim=-1, keepdim=True)
+        parity = (x.argmax(dim=-1, keepdim=True) % 2).to(x.dtype)
+        return F.dropout(self.proj(torch.where(above, x, 0.5 * x)), p=self.p) + parity
+
+
 class FuzzModel(nn.Module):
     def __init__(self, seed: int):
         super().__init__()
@@ -56,15 +92,23 @@ class FuzzModel(nn.Module):
                 self.blocks.append(nn.Identity())
             else:
                 self.shared.append(None)
-                if rng.random() < 0.5:
-                    self.blocks.append(MLPBlock(self.width, rng.choice(WIDTHS), rng.choice(ACTIVATIONS)))
-                else:
-                    self.blocks.append(AttentionBlock(self.width, rng.choice((1, 2, 3, 4)), rng.choice((2, 3, 4)),
-                                                      rng.random() < 0.5))
+                self.blocks.append(self._block(rng))
             self.norms.append(nn.LayerNorm(self.width) if rng.random() < 0.5 else nn.Identity())
             self.residual.append(rng.random() < 0.6)
         self.head = nn.Linear(self.width, rng.choice(WIDTHS), bias=rng.random() < 0.5)
         self.reduce = rng.choice(("none", "sum", "mean"))
+
+    def _block(self, rng):
+        kind = rng.random()
+        if kind < 0.35:
+            return MLPBlock(self.width, rng.choice(WIDTHS), rng.choice(ACTIVATIONS))
+        if kind < 0.7:
+            return AttentionBlock(self.width, rng.choice((1, 2, 3, 4)), rng.choice((2, 3, 4)), rng.random() < 0.5)
+        if kind < 0.85:
+            n_experts = rng.choice((2, 3, 4, 6))
+            return MoEBlock(self.width, rng.choice(WIDTHS), n_experts, rng.randint(1, min(2, n_experts)),
+                            rng.choice(EXPERT_ACTIVATIONS))
+        return MaskBlock(self.width, rng.choice((0.1, 0.2)))
 
     def forward(self, x):
         for block, norm, residual, shared in zip(self.blocks, self.norms, self.residual, self.shared):
