@@ -32,13 +32,15 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu}
 def expert_sum(hidden, index, weights, gate_up, down, activation: str, first: int = 0):
     """The experts' weighted sum for every token, from experts ``first`` to ``first + len(gate_up) - 1`` only
     (rows routed elsewhere get nothing from them): ``hidden`` (tokens, h), ``index`` and ``weights`` (tokens, k),
-    ``gate_up`` (experts, 2 * inner, h), ``down`` (experts, h, inner). Differentiable in every float input."""
+    ``gate_up`` (experts, 2 * inner, h), ``down`` (experts, h, inner). Differentiable in every float input.
+
+    An expert no token picks still runs, on no rows: the output then depends on every input on every device,
+    so backward reaches the same collectives on all of them (a device that skipped it would leave the others
+    waiting in a gradient's all-reduce)."""
     act = ACTIVATIONS[activation]
     out = torch.zeros_like(hidden)
     for local in range(gate_up.shape[0]):
         token, slot = torch.where(index == first + local)
-        if token.numel() == 0:
-            continue
         gate, up = F.linear(hidden[token], gate_up[local]).chunk(2, dim=-1)
         routed = F.linear(act(gate) * up, down[local]) * weights[token, slot, None]
         out = out.index_add(0, token, routed.to(out.dtype))
