@@ -58,6 +58,17 @@ def qwen2_moe(vocab=VOCAB, heads=4, kv_heads=2, layers=2, hidden=64, experts=4, 
     return Qwen2MoeForCausalLM(config), (ids,), {"labels": ids}
 
 
+def falcon(vocab=VOCAB, heads=4, layers=2, hidden=64, dropout=0.0):
+    """Falcon-7B's layout: one fused query_key_value weight, multi-query (one K/V head), rotary positions."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                          multi_query=True, new_decoder_architecture=False, alibi=False, max_position_embeddings=64,
+                          hidden_dropout=dropout, attention_dropout=dropout)
+    ids = _ids(vocab)
+    return FalconForCausalLM(config), (ids,), {"labels": ids}
+
+
 def gpt2(vocab=VOCAB, heads=4, layers=2, hidden=64, dropout=0.0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -87,7 +98,7 @@ def vit(heads=4, layers=2, hidden=64, image=32, patch=8, batch=BATCH, dropout=0.
 
 
 FAMILIES = {"llama": llama, "gpt2": gpt2, "bert": bert, "vit": vit}
-MORE = {"mistral": mistral, "mixtral": mixtral, "qwen2_moe": qwen2_moe}  # built by `build`, not among the families
+MORE = {"mistral": mistral, "mixtral": mixtral, "qwen2_moe": qwen2_moe, "falcon": falcon}  # built by `build`, not among the families
 # every test runs
 
 

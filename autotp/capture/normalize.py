@@ -35,6 +35,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from autotp.capture.emit import emit as _emit
+from autotp.capture.fused import unfuse_projections
 from autotp.errors import CaptureError
 
 aten = torch.ops.aten
@@ -44,6 +46,7 @@ def normalize(gm: fx.GraphModule) -> None:
     """Apply every normalization pass in place."""
     decompose_batch_norm(gm)
     functionalize_inplace(gm)
+    unfuse_projections(gm)
     split_linear_bias(gm)
     split_addmm(gm)
     mean_as_sum(gm)
@@ -111,26 +114,6 @@ def drop_contiguous(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and node.target == aten.contiguous.default:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
-
-
-def _meta_value(gm: fx.GraphModule, arg):
-    """A ``meta``-device stand-in for an fx argument, so an op's output shape can be computed."""
-    if not isinstance(arg, fx.Node):
-        return arg
-    val = arg.meta.get("val")
-    if val is None and arg.op == "get_attr":
-        val = getattr(gm, "get_parameter" if arg.target in dict(gm.named_parameters()) else "get_buffer")(arg.target)
-    if isinstance(val, torch.Tensor):
-        return torch.empty(val.shape, dtype=val.dtype, device="meta")
-    return val
-
-
-def _emit(gm: fx.GraphModule, target, *args, **kwargs) -> fx.Node:
-    """Insert ``target(*args)`` at the graph's insertion point, with its output recorded in ``meta['val']``."""
-    node = gm.graph.call_function(target, args, kwargs)
-    margs, mkwargs = torch.utils._pytree.tree_map(lambda a: _meta_value(gm, a), (args, kwargs))
-    node.meta["val"] = target(*margs, **mkwargs)
-    return node
 
 
 def _redirect_later_uses(old: fx.Node, new: fx.Node, after: fx.Node, order: dict) -> None:

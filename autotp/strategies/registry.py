@@ -57,6 +57,7 @@ def default_registry() -> dict:
     add(["transpose"], views.transpose_rule)
     add(["permute"], views.permute_rule)
     add(["t"], views.t_rule)
+    add(["numpy_T"], views.numpy_t_rule)
     add(["unsqueeze"], views.unsqueeze_rule)
     add(["expand"], views.expand_rule)
     add(["slice"], views.slice_rule)

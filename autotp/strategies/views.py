@@ -77,6 +77,12 @@ def t_rule(op):
     return _mapped(op, {0: 1, 1: 0} if nd == 2 else {0: 0})
 
 
+def numpy_t_rule(op):
+    """``x.T``: every dim reversed (``t`` for a matrix)."""
+    nd = len(op.in_metas[0].shape)
+    return _mapped(op, {d: nd - 1 - d for d in range(nd)})
+
+
 def unsqueeze_rule(op):
     nd = len(op.in_metas[0].shape)
     at = _norm(op.args[1], nd + 1)
