@@ -3,7 +3,7 @@
 Capture rewrites a projection whose output is only ever cut into parts as one
 projection per part, on slices of the one weight (`autotp.capture.fused`).
 Falcon's queries then split by heads while its single key and value head stay
-whole: on 2 and 2x2 gloo ranks, with dropout 0.1 from the single device's
+whole: on 2 gloo ranks (the suite's time; 2x2 and 4 pass too, run by hand), with dropout 0.1 from the single device's
 seed, outputs and every gradient match one device.
 """
 
@@ -33,7 +33,7 @@ def _run(rank, world, plan):
     return max_errors(model, plan, args, rank, kwargs=kwargs)
 
 
-@pytest.fixture(scope="module", params=["2", "2x2"])
+@pytest.fixture(scope="module", params=["2"])
 def planned(request):
     model, args, kwargs = _build()
     plan = autotp.plan(model, autotp.Mesh(request.param), args, kwargs, profile=weights_bound_profile())
