@@ -10,14 +10,15 @@ the ILP around it:
 * ``expert-parallel``: experts and tokens split, pairs routed by all-to-all;
 * ``experts-split``: experts split, every device runs them for all tokens
   into a partial sum;
+* ``tp-inside``: tensor parallelism inside each expert (its FFN split by
+  columns and rows, Megatron's MLP), tokens whole, a partial sum;
 * ``tokens-split``: every expert whole on every device, tokens split (data
   parallelism: each expert's gradient summed over all 8);
 * ``replicated``: the experts run whole on every device.
 
-Tensor parallelism inside each expert (its FFN split by columns and rows) is
-not offered: transformers stores gate and up concatenated in one
-``gate_up_proj``, which an even split of its rows cannot divide into matching
-gate and up halves.
+Inside the experts, gate and up are the two halves of transformers'
+``gate_up_proj``: each is split by its own columns, while the parameter they
+are cut from stays whole (docs/concepts.md, Strategies).
 
 Two tables. Mixtral-8x7B has 46.7 billion parameters: with Adam in mixed
 precision (18 bytes each) no plan on 8 devices of 80 GB holds them, so the
@@ -44,20 +45,21 @@ import shapes  # noqa: E402
 from autotp.capture.experts import EXPERTS  # noqa: E402
 from autotp.errors import MemoryLimitError  # noqa: E402
 from autotp.placement import Shard  # noqa: E402
-from autotp.strategies.experts import EXPERT_PARALLEL, GATE_UP, TOKENS  # noqa: E402
+from autotp.strategies.experts import EXPERT_PARALLEL, GATE, TOKENS  # noqa: E402
 from autotp.units import format_bytes  # noqa: E402
 
 
-def _split(strategy, i: int) -> bool:
-    return any(isinstance(p, Shard) for p in strategy.ins[i])
+def _split(strategy, i: int, dim: int = 0) -> bool:
+    return Shard(dim) in strategy.ins[i]
 
 
 WAYS = {  # name -> which strategies of the experts op it keeps
     "ilp": lambda s: True,
     "expert-parallel": lambda s: s.impl == EXPERT_PARALLEL and _split(s, TOKENS),
     "experts-split": lambda s: s.impl == EXPERT_PARALLEL and not _split(s, TOKENS),
-    "tokens-split": lambda s: s.impl is None and _split(s, TOKENS) and not _split(s, GATE_UP),
-    "replicated": lambda s: not _split(s, TOKENS) and not _split(s, GATE_UP),
+    "tp-inside": lambda s: _split(s, GATE, 1) and not _split(s, TOKENS) and not _split(s, GATE),
+    "tokens-split": lambda s: _split(s, TOKENS) and not _split(s, GATE) and not _split(s, GATE, 1),
+    "replicated": lambda s: not _split(s, TOKENS) and not _split(s, GATE) and not _split(s, GATE, 1),
 }
 
 

@@ -6,7 +6,8 @@ Under a profile with slow links, where data parallelism's gradient sums of
 every expert's weights cost the most, the ILP splits the experts; the plans
 are run on meshes 2, 4 and 2x2 of gloo ranks against one device, with Mixtral's and
 Qwen2-MoE's expert parallelism each forced once both ways (tokens routed by
-all-to-all, and tokens whole into a partial sum).
+all-to-all, and tokens whole into a partial sum), and Mixtral's experts each
+split by their FFN's columns (tensor parallelism inside the experts).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from autotp.capture.experts import EXPERTS, experts
 from autotp.placement import Shard
 from autotp.runtime import spawn
 from autotp.runtime.verify import max_errors
-from autotp.strategies.experts import EXPERT_PARALLEL, GATE_UP, routed_axes
+from autotp.strategies.experts import EXPERT_PARALLEL, GATE, routed_axes
 from conftest import weights_bound_profile
 
 TOLERANCE = 1e-5
@@ -29,10 +30,13 @@ MODELS = ("mixtral", "qwen2_moe")
 
 
 def _routing(kind: str):
-    """A filter keeping the experts op's expert-parallel strategies that route (``"all_to_all"``) or not."""
+    """A filter keeping the experts op's strategies of one kind: expert parallelism that routes tokens
+    (``"all_to_all"``) or not (``"partial"``), or each expert's FFN split (``"tp_inside"``), on every axis."""
     def allow(op, strategy) -> bool:
         if op.target != EXPERTS:
             return True
+        if kind == "tp_inside":
+            return all(p == Shard(1) for p in strategy.ins[GATE])
         routed = routed_axes(strategy) == tuple(range(len(strategy.out)))
         return strategy.impl == EXPERT_PARALLEL and routed == (kind == "all_to_all")
     return allow
@@ -61,7 +65,8 @@ def results(request):
         mesh = autotp.Mesh("2")
         cases = [(name, "ilp", _plan(name, mesh)) for name in MODELS]
         cases += [("mixtral", "partial", _plan("mixtral", mesh, "partial")),
-                  ("qwen2_moe", "all_to_all", _plan("qwen2_moe", mesh, "all_to_all"))]
+                  ("qwen2_moe", "all_to_all", _plan("qwen2_moe", mesh, "all_to_all")),
+                  ("mixtral", "tp_inside", _plan("mixtral", mesh, "tp_inside"))]
     else:
         cases = [(name, "ilp", _plan(name, autotp.Mesh("4"))) for name in MODELS]
         cases.append(("mixtral", "ilp", _plan("mixtral", autotp.Mesh("2x2"))))
@@ -79,7 +84,8 @@ def test_outputs_and_every_gradient_match_one_device(results):
 
 def test_experts_are_split_by_expert_and_never_gathered(results):
     """Every experts op runs its own experts (no replicated fallback), the expert weights stay split (no
-    collective moves them), and a routed plan exchanges tokens by all-to-all on each axis, forward and back."""
+    collective moves them forward), and a routed plan exchanges tokens by all-to-all on each axis, forward and
+    back; inside the experts, each device runs its columns of every expert, no token moves."""
     cases, _ = results
     for name, kind, plan in cases:
         mesh = plan.mesh
@@ -87,15 +93,16 @@ def test_experts_are_split_by_expert_and_never_gathered(results):
         assert len(ops) == 2 and not set(ops) & set(plan.fallback_ops), f"{name} ({kind}) on {mesh}"
         weights = {n for n in plan.nodes if n.endswith(("gate_up_proj", "down_proj"))}
         for n, entry in ops.items():
-            assert entry.impl == EXPERT_PARALLEL, f"{name} ({kind}) on {mesh}: {n} is {entry.impl}"
-            assert all(isinstance(p, Shard) for p in entry.in_layouts()[GATE_UP]), f"{name} ({kind}): {n}"
+            assert all(isinstance(p, Shard) for p in entry.in_layouts()[GATE]), f"{name} ({kind}): {n}"
+            if kind != "tp_inside":
+                assert entry.impl == EXPERT_PARALLEL, f"{name} ({kind}) on {mesh}: {n} is {entry.impl}"
         assert not [c for c in plan.collectives if c["producer"] in weights and c["phase"] != "backward"]
         for n, entry in ops.items():
-            tokens, experts_ = entry.in_layouts()[0], entry.in_layouts()[GATE_UP]
+            tokens, experts_ = entry.in_layouts()[0], entry.in_layouts()[GATE]
             axes = [a for a in range(mesh.ndim) if isinstance(tokens[a], Shard) and isinstance(experts_[a], Shard)]
             routed = [c for c in plan.collectives if c["kind"] == "all_to_all" and c["node"] == n]
             assert len(routed) == 4 * len(axes), f"{name} ({kind}) on {mesh}: {n}"  # there and back, twice
-            assert len(axes) == {"partial": 0, "all_to_all": mesh.ndim}.get(kind, len(axes))
+            assert len(axes) == {"partial": 0, "tp_inside": 0, "all_to_all": mesh.ndim}.get(kind, len(axes))
         if (name, kind) == ("mixtral", "ilp"):
             assert any(c["kind"] == "all_to_all" for c in plan.collectives), f"the ILP routes Mixtral on {mesh}"
 
@@ -108,7 +115,7 @@ def test_the_experts_op_is_transformers_experts_forward():
     hidden = torch.randn(6, 64, requires_grad=True)
     index = torch.tensor([[0, 1], [1, 0], [3, 1], [0, 3], [1, 3], [3, 0]])  # expert 2 unused
     weights = torch.rand(6, 2, requires_grad=True)
-    ours = experts(hidden, index, weights, module.gate_up_proj, module.down_proj, "silu")
+    ours = experts(hidden, index, weights, *module.gate_up_proj.chunk(2, dim=1), module.down_proj, "silu")
     theirs = module(hidden, index, weights)
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
     grad = torch.randn_like(ours)
