@@ -16,9 +16,9 @@ the ILP around it:
   parallelism: each expert's gradient summed over all 8);
 * ``replicated``: the experts run whole on every device.
 
-Inside the experts, gate and up are the two halves of transformers'
-``gate_up_proj``: each is split by its own columns, while the parameter they
-are cut from stays whole (docs/concepts.md, Strategies).
+Inside the experts, each device runs its columns of the gate and up halves
+of transformers' ``gate_up_proj``, which stays whole (no even split keeps the
+halves together; docs/concepts.md, Strategies), and its rows of ``down``.
 
 Two tables. Mixtral-8x7B has 46.7 billion parameters: with Adam in mixed
 precision (18 bytes each) no plan on 8 devices of 80 GB holds them, so the
@@ -45,21 +45,21 @@ import shapes  # noqa: E402
 from autotp.capture.experts import EXPERTS  # noqa: E402
 from autotp.errors import MemoryLimitError  # noqa: E402
 from autotp.placement import Shard  # noqa: E402
-from autotp.strategies.experts import EXPERT_PARALLEL, GATE, TOKENS  # noqa: E402
+from autotp.strategies.experts import EXPERT_COLUMNS, EXPERT_PARALLEL, TOKENS  # noqa: E402
 from autotp.units import format_bytes  # noqa: E402
 
 
-def _split(strategy, i: int, dim: int = 0) -> bool:
-    return Shard(dim) in strategy.ins[i]
+def _split(strategy, i: int) -> bool:
+    return any(isinstance(p, Shard) for p in strategy.ins[i])
 
 
 WAYS = {  # name -> which strategies of the experts op it keeps
     "ilp": lambda s: True,
     "expert-parallel": lambda s: s.impl == EXPERT_PARALLEL and _split(s, TOKENS),
     "experts-split": lambda s: s.impl == EXPERT_PARALLEL and not _split(s, TOKENS),
-    "tp-inside": lambda s: _split(s, GATE, 1) and not _split(s, TOKENS) and not _split(s, GATE),
-    "tokens-split": lambda s: _split(s, TOKENS) and not _split(s, GATE) and not _split(s, GATE, 1),
-    "replicated": lambda s: not _split(s, TOKENS) and not _split(s, GATE) and not _split(s, GATE, 1),
+    "tp-inside": lambda s: s.impl == EXPERT_COLUMNS and not _split(s, TOKENS),
+    "tokens-split": lambda s: s.impl is None and _split(s, TOKENS),
+    "replicated": lambda s: s.impl is None and not _split(s, TOKENS),
 }
 
 

@@ -62,8 +62,7 @@ class MoEBlock(nn.Module):
         flat = x.reshape(b * s, w)
         weights, index = torch.topk(F.softmax(self.router(flat), dim=-1), self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        gate, up = self.gate_up.chunk(2, dim=1)
-        return experts(flat, index, weights, gate, up, self.down, self.activation).view(b, s, w)
+        return experts(flat, index, weights, self.gate_up, self.down, self.activation).view(b, s, w)
 
 
 class MaskBlock(nn.Module):

@@ -22,7 +22,7 @@ from autotp.capture.experts import EXPERTS, experts
 from autotp.placement import Shard
 from autotp.runtime import spawn
 from autotp.runtime.verify import max_errors
-from autotp.strategies.experts import EXPERT_PARALLEL, GATE, routed_axes
+from autotp.strategies.experts import DOWN, EXPERT_COLUMNS, EXPERT_PARALLEL, GATE_UP, routed_axes
 from conftest import weights_bound_profile
 
 TOLERANCE = 1e-5
@@ -36,7 +36,7 @@ def _routing(kind: str):
         if op.target != EXPERTS:
             return True
         if kind == "tp_inside":
-            return all(p == Shard(1) for p in strategy.ins[GATE])
+            return strategy.impl == EXPERT_COLUMNS and all(p == Shard(2) for p in strategy.ins[DOWN])
         routed = routed_axes(strategy) == tuple(range(len(strategy.out)))
         return strategy.impl == EXPERT_PARALLEL and routed == (kind == "all_to_all")
     return allow
@@ -83,9 +83,9 @@ def test_outputs_and_every_gradient_match_one_device(results):
 
 
 def test_experts_are_split_by_expert_and_never_gathered(results):
-    """Every experts op runs its own experts (no replicated fallback), the expert weights stay split (no
-    collective moves them forward), and a routed plan exchanges tokens by all-to-all on each axis, forward and
-    back; inside the experts, each device runs its columns of every expert, no token moves."""
+    """Every experts op runs its own experts or its columns of every expert (no replicated fallback), the
+    expert weights are never gathered (no collective moves them forward), and a routed plan exchanges tokens by
+    all-to-all on each axis, forward and back."""
     cases, _ = results
     for name, kind, plan in cases:
         mesh = plan.mesh
@@ -93,12 +93,12 @@ def test_experts_are_split_by_expert_and_never_gathered(results):
         assert len(ops) == 2 and not set(ops) & set(plan.fallback_ops), f"{name} ({kind}) on {mesh}"
         weights = {n for n in plan.nodes if n.endswith(("gate_up_proj", "down_proj"))}
         for n, entry in ops.items():
-            assert all(isinstance(p, Shard) for p in entry.in_layouts()[GATE]), f"{name} ({kind}): {n}"
-            if kind != "tp_inside":
-                assert entry.impl == EXPERT_PARALLEL, f"{name} ({kind}) on {mesh}: {n} is {entry.impl}"
-        assert not [c for c in plan.collectives if c["producer"] in weights and c["phase"] != "backward"]
+            assert all(isinstance(p, Shard) for p in entry.in_layouts()[DOWN]), f"{name} ({kind}): {n}"
+            expected = EXPERT_COLUMNS if kind == "tp_inside" else EXPERT_PARALLEL
+            assert entry.impl == expected, f"{name} ({kind}) on {mesh}: {n} is {entry.impl}"
+        assert not [c for c in plan.collectives if c["producer"] in weights and c["phase"] == "forward"]
         for n, entry in ops.items():
-            tokens, experts_ = entry.in_layouts()[0], entry.in_layouts()[GATE]
+            tokens, experts_ = entry.in_layouts()[0], entry.in_layouts()[GATE_UP]
             axes = [a for a in range(mesh.ndim) if isinstance(tokens[a], Shard) and isinstance(experts_[a], Shard)]
             routed = [c for c in plan.collectives if c["kind"] == "all_to_all" and c["node"] == n]
             assert len(routed) == 4 * len(axes), f"{name} ({kind}) on {mesh}: {n}"  # there and back, twice
@@ -115,7 +115,7 @@ def test_the_experts_op_is_transformers_experts_forward():
     hidden = torch.randn(6, 64, requires_grad=True)
     index = torch.tensor([[0, 1], [1, 0], [3, 1], [0, 3], [1, 3], [3, 0]])  # expert 2 unused
     weights = torch.rand(6, 2, requires_grad=True)
-    ours = experts(hidden, index, weights, *module.gate_up_proj.chunk(2, dim=1), module.down_proj, "silu")
+    ours = experts(hidden, index, weights, module.gate_up_proj, module.down_proj, "silu")
     theirs = module(hidden, index, weights)
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
     grad = torch.randn_like(ours)

@@ -12,15 +12,11 @@ op of what it computes:
     out[t] = sum over j < k of weights[t, j] * down[e] @ (act(gate[e] @ x[t]) * (up[e] @ x[t])),
     e = index[t, j]
 
-with ``gate`` and ``up`` the two halves of ``gate_up_proj`` (slices of the one
-parameter, so that each can be split by the FFN's columns). That op has
-strategies (`autotp.strategies.experts`): tokens split (data parallelism);
-experts split, where a device runs its own experts for the tokens it is
-sent by all-to-all (`autotp.lower.experts`), or for all tokens into a
-partial sum; and each expert's FFN split by its inner dim (tensor
-parallelism inside the experts, a partial sum). A module of another form
-keeps transformers' code, and the plan replicates it as before. The user's
-model is left as it was.
+That op has strategies (`autotp.strategies.experts`): tokens split (data
+parallelism), and experts split, where a device runs its own experts for the
+tokens it is sent by all-to-all (`autotp.lower.experts`), or for all tokens
+into a partial sum. A module of another form keeps transformers' code, and
+the plan replicates it as before. The user's model is left as it was.
 """
 
 from __future__ import annotations
@@ -33,49 +29,49 @@ import torch.nn.functional as F
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu}
 
 
-def expert_sum(hidden, index, weights, gate, up, down, activation: str, first: int = 0):
-    """The experts' weighted sum for every token, from experts ``first`` to ``first + len(gate) - 1`` only
+def expert_sum(hidden, index, weights, gate_up, down, activation: str, first: int = 0):
+    """The experts' weighted sum for every token, from experts ``first`` to ``first + len(gate_up) - 1`` only
     (rows routed elsewhere get nothing from them): ``hidden`` (tokens, h), ``index`` and ``weights`` (tokens, k),
-    ``gate`` and ``up`` (experts, inner, h), ``down`` (experts, h, inner). Differentiable in every float input.
+    ``gate_up`` (experts, 2 * inner, h), ``down`` (experts, h, inner). Differentiable in every float input.
 
     An expert no token picks still runs, on no rows: the output then depends on every input on every device,
     so backward reaches the same collectives on all of them (a device that skipped it would leave the others
     waiting in a gradient's all-reduce)."""
     act = ACTIVATIONS[activation]
     out = torch.zeros_like(hidden)
-    for local in range(gate.shape[0]):
+    for local in range(gate_up.shape[0]):
         token, slot = torch.where(index == first + local)
-        x = hidden[token]
-        routed = F.linear(act(F.linear(x, gate[local])) * F.linear(x, up[local]), down[local]) * weights[token, slot, None]
+        gate, up = F.linear(hidden[token], gate_up[local]).chunk(2, dim=-1)
+        routed = F.linear(act(gate) * up, down[local]) * weights[token, slot, None]
         out = out.index_add(0, token, routed.to(out.dtype))
     return out
 
 
 @torch.library.custom_op("autotp::experts", mutates_args=())
-def experts(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+def experts(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
             down: torch.Tensor, activation: str) -> torch.Tensor:
-    return expert_sum(hidden, index, weights, gate, up, down, activation)
+    return expert_sum(hidden, index, weights, gate_up, down, activation)
 
 
 @experts.register_fake
-def _experts_shape(hidden, index, weights, gate, up, down, activation):
+def _experts_shape(hidden, index, weights, gate_up, down, activation):
     return torch.empty_like(hidden)
 
 
 def _save(ctx, inputs, output) -> None:
-    *tensors, activation = inputs
-    ctx.save_for_backward(*tensors)
+    hidden, index, weights, gate_up, down, activation = inputs
+    ctx.save_for_backward(hidden, index, weights, gate_up, down)
     ctx.activation = activation
 
 
 def _backward(ctx, grad):
     """The gradients by running `expert_sum` again under autograd: exact, and the op stays one node."""
-    hidden, index, weights, gate, up, down = ctx.saved_tensors
-    leaves = [t.detach().requires_grad_() for t in (hidden, weights, gate, up, down)]
+    hidden, index, weights, gate_up, down = ctx.saved_tensors
+    leaves = [t.detach().requires_grad_() for t in (hidden, weights, gate_up, down)]
     with torch.enable_grad():
-        out = expert_sum(leaves[0], index, *leaves[1:], ctx.activation)
+        out = expert_sum(leaves[0], index, leaves[1], leaves[2], leaves[3], ctx.activation)
     grads = torch.autograd.grad(out, leaves, grad, allow_unused=True, materialize_grads=True)
-    return grads[0], None, *grads[1:], None
+    return grads[0], None, grads[1], grads[2], grads[3], None
 
 
 experts.register_autograd(_backward, setup_context=_save)
@@ -120,6 +116,6 @@ def experts_as_one_op(model: torch.nn.Module):
 
 def _one_op(module, activation: str):
     def forward(hidden_states, top_k_index, top_k_weights):
-        gate, up = module.gate_up_proj.chunk(2, dim=1)
-        return experts(hidden_states, top_k_index, top_k_weights, gate, up, module.down_proj, activation)
+        return experts(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
+                       activation)
     return forward

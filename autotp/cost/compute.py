@@ -40,7 +40,7 @@ def forward_time_s(op, strategy, mesh, profile) -> float:
     outs = local_metas(op.out, [strategy.out] * len(op.out), shape)
     dev = profile.device
     flops = op_flops(op.target, ins, outs)
-    if op.target == EXPERTS:  # local shapes miscount the pairs of experts split over whole tokens
+    if op.target == EXPERTS:  # local shapes miscount the work of experts split over whole tokens
         flops = op_flops(op.target, op.in_metas, op.out) * work_share(strategy, shape)
     flops_s = flops / (profile.peak_flops(_compute_dtype(op)) * dev["matmul_efficiency"])
     bytes_s = (op_bytes(op.target, ins, outs) + _whole_draw_bytes(op, strategy, shape)) / (

@@ -64,7 +64,7 @@ def op_flops(target, ins, out) -> int:
     if target == aten.scaled_dot_product_attention.default:
         q, k = ins[0].shape, ins[1].shape
         return 4 * _numel(q[:-1]) * k[-2] * q[-1]
-    if target == EXPERTS:  # each (token, expert) pair: gate and up (h -> inner each), then down (inner -> h)
-        hidden, index, gate = ins[0], ins[1], ins[3]
-        return 6 * _numel(index.shape) * gate.shape[1] * hidden.shape[-1]
+    if target == EXPERTS:  # each (token, expert) pair: gate and up (h -> 2 * inner), then down (inner -> h)
+        hidden, index, gate_up = ins[0], ins[1], ins[3]
+        return 3 * _numel(index.shape) * gate_up.shape[1] * hidden.shape[-1]
     return out_numel

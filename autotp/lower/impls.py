@@ -22,9 +22,9 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from autotp.lower.collectives import all_reduce_partial
-from autotp.lower.experts import build_expert_parallel
+from autotp.lower.experts import build_expert_columns, build_expert_parallel
 from autotp.placement import Shard, shard_factor, shard_index
-from autotp.strategies.experts import EXPERT_PARALLEL
+from autotp.strategies.experts import EXPERT_COLUMNS, EXPERT_PARALLEL
 from autotp.strategies.loss import BATCH_MEAN, REDUCTION_NONE, REDUCTION_SUM, loss_arg
 
 
@@ -115,6 +115,8 @@ def build_impl(impl: str, target, op_args: tuple, op_kwargs: dict, in_layouts, i
         return VocabParallelEmbedding(vocab_start(in_layouts[0], 0, coords, mesh_shape, rows), rows)
     if impl == EXPERT_PARALLEL:
         return build_expert_parallel(op_args[-1], in_layouts, in_shapes, coords, mesh_shape, comms)
+    if impl == EXPERT_COLUMNS:
+        return build_expert_columns(op_args[-1], in_layouts, in_shapes, coords, mesh_shape)
     raise ValueError(f"no implementation {impl!r} for {target}")
 
 

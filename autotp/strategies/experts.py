@@ -1,7 +1,7 @@
 """experts (`autotp.capture.experts`): split the tokens, the experts, both (expert parallelism), or each expert.
 
-Inputs: hidden (tokens, h), index and weights (tokens, k), gate and up
-(experts, inner, h), down (experts, h, inner). Per mesh axis:
+Inputs: hidden (tokens, h), index and weights (tokens, k), gate_up
+(experts, 2 * inner, h), down (experts, h, inner). Per mesh axis:
 
 * tokens split, every expert whole: data parallelism, the op itself on the
   device's tokens;
@@ -14,8 +14,12 @@ Inputs: hidden (tokens, h), index and weights (tokens, k), gate and up
   brings the result back, where the routing weights sum it. Loads may be
   uneven: the counts are exchanged first, so nothing is dropped;
 * each expert's FFN split by its inner dim, tokens whole (tensor parallelism
-  inside the experts, Megatron's MLP in every expert): gate and up by
-  columns, down by rows, a partial sum; the op itself on the local slices.
+  inside the experts, Megatron's MLP in every expert; ``impl``
+  ``expert_columns``): down by its rows (``S(2)``), and of ``gate_up``, whose
+  gate and up halves no even split keeps together, each device reads its
+  columns of both halves from the whole parameter (``R``; its gradient then
+  arrives in those rows only, a partial sum the planner reduces); the output
+  is a partial sum.
 
 An expert split over several axes is owned by one device of their product.
 """
@@ -28,32 +32,32 @@ from autotp.placement import Shard
 from autotp.strategies.base import AxisOption, P, R
 
 EXPERT_PARALLEL = "expert_parallel"
-TOKENS, INDEX, WEIGHTS, GATE, UP, DOWN = range(6)  # the op's tensor inputs
+EXPERT_COLUMNS = "expert_columns"
+TOKENS, INDEX, WEIGHTS, GATE_UP, DOWN = range(5)  # the op's tensor inputs
 
 
 def experts_rule(op):
-    tokens, (experts, inner, _) = op.in_metas[TOKENS].shape[0], op.in_metas[GATE].shape
+    tokens, experts = op.in_metas[TOKENS].shape[0], op.in_metas[GATE_UP].shape[0]
     options = []
     if tokens > 1:
-        options.append(AxisOption(Shard(0), (Shard(0),) * 3 + (R,) * 3))
+        options.append(AxisOption(Shard(0), (Shard(0),) * 3 + (R, R)))
     if experts > 1:
-        options.append(AxisOption(P, (R,) * 3 + (Shard(0),) * 3, impl=EXPERT_PARALLEL))
+        options.append(AxisOption(P, (R,) * 3 + (Shard(0),) * 2, impl=EXPERT_PARALLEL))
     if tokens > 1 and experts > 1:
-        options.append(AxisOption(Shard(0), (Shard(0),) * 6, impl=EXPERT_PARALLEL))
-    if inner > 1:
-        options.append(AxisOption(P, (R,) * 3 + (Shard(1), Shard(1), Shard(2))))
+        options.append(AxisOption(Shard(0), (Shard(0),) * 5, impl=EXPERT_PARALLEL))
+    if op.in_metas[DOWN].shape[2] > 1:
+        options.append(AxisOption(P, (R,) * 4 + (Shard(2),), impl=EXPERT_COLUMNS))
     return options
 
 
 def routed_axes(strategy) -> tuple[int, ...]:
     """The mesh axes whose devices exchange (token, expert) pairs by all-to-all: tokens and experts both split."""
-    return tuple(a for a, (t, e) in enumerate(zip(strategy.ins[TOKENS], strategy.ins[GATE]))
-                 if isinstance(t, Shard) and e == Shard(0))
+    return tuple(a for a, (t, e) in enumerate(zip(strategy.ins[TOKENS], strategy.ins[GATE_UP]))
+                 if isinstance(t, Shard) and isinstance(e, Shard))
 
 
 def work_share(strategy, mesh_shape) -> float:
     """The share of all (token, expert) pairs one device computes: each axis that splits tokens, experts (or
-    both, routing the pairs) or each expert's FFN divides the work once."""
-    axes = [a for a in range(len(mesh_shape))
-            if isinstance(strategy.ins[TOKENS][a], Shard) or isinstance(strategy.ins[GATE][a], Shard)]
+    both, routing the pairs) or each expert's FFN (``down`` by its rows) divides the work once."""
+    axes = [a for a in range(len(mesh_shape)) if any(isinstance(strategy.ins[i][a], Shard) for i in (TOKENS, DOWN))]
     return 1.0 / math.prod(mesh_shape[a] for a in axes)
