@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from itertools import product
 
@@ -425,32 +426,57 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
     cutoff = beat_s * _SCALE if beat_s is not None else None
     search = _Search(problem, limit, reduce, time_limit_s, solver, cutoff)
     survivors = []  # (bound, order, kinds, variant, fixed, the set's ILP under the limit or None)
-    for kinds in kind_sets(problem):
-        variant = folded(problem, kinds)
-        if time_limit_s is not None:
-            survivors.append((0.0, len(survivors), kinds, variant, {}, None))  # no bounds: built to solve
-            continue
-        model = _model(variant, "time", limit, reduce)
-        for fixed in _branches(model[1]):
-            _fix(model[1], fixed)
-            bound = lp_relaxation_bound(model[0], cutoff=search.cutoff_now(),
-                                        infeasible=lambda: not _may_fit(variant, fixed, limit, reduce))
-            if bound is None and model[0].status == "Infeasible":
-                continue  # not even fractional choices fit: no plan of this branch does
-            # an unknown bound (the LP solver gave up) proves nothing: the branch is solved
-            bound = -math.inf if bound is None else bound
-            if search.target() is None:
-                search.solve(kinds, variant, fixed, model)
-                if search.failed is not None:
-                    return search.failed
-            elif not search.skips(bound):
-                survivors.append((bound, len(survivors), kinds, variant, fixed, model))
+    bounded = kind_sets(problem)
+    if time_limit_s is not None:  # no bounds: each set is solved whole, its ILP built when it is solved
+        survivors = [(0.0, i, kinds, folded(problem, kinds), {}, None) for i, kinds in enumerate(bounded)]
+        bounded = []
+    with _Builder(problem, limit, reduce, bounded) as built:
+        for kinds in bounded:
+            variant, model = built.next()
+            for fixed in _branches(model[1]):
+                _fix(model[1], fixed)
+                bound = lp_relaxation_bound(model[0], cutoff=search.cutoff_now(),
+                                            infeasible=lambda: not _may_fit(variant, fixed, limit, reduce))
+                if bound is None and model[0].status == "Infeasible":
+                    continue  # not even fractional choices fit: no plan of this branch does
+                # an unknown bound (the LP solver gave up) proves nothing: the branch is solved
+                bound = -math.inf if bound is None else bound
+                if search.target() is None:
+                    search.solve(kinds, variant, fixed, model)
+                    if search.failed is not None:
+                        return search.failed
+                elif not search.skips(bound):
+                    survivors.append((bound, len(survivors), kinds, variant, fixed, model))
     for bound, _, kinds, variant, fixed, model in sorted(survivors, key=lambda b: b[:2]):
         if not search.skips(bound):
             search.solve(kinds, variant, fixed, model)
         if search.failed is not None:
             return search.failed
     return search.result()
+
+
+class _Builder:
+    """The ILP of each set of regathered kinds under the limit, built in a thread ahead of its use: HiGHS
+    releases the GIL while it solves the sets before, so on two cores the next set's model (a second of Python
+    for Llama-2-70B) is built while the last one solves. The models are the same, and used in the same order."""
+
+    def __init__(self, problem, limit: float, reduce: bool, sets):
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autotp-ilp-build")
+        self.pending = [self.pool.submit(self._build, problem, kinds, limit, reduce) for kinds in sets]
+
+    @staticmethod
+    def _build(problem, kinds, limit, reduce):
+        variant = folded(problem, kinds)
+        return variant, _model(variant, "time", limit, reduce)
+
+    def next(self):
+        return self.pending.pop(0).result()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)  # a search that returns early builds no more
 
 
 def _may_fit(problem: Problem, fixed: dict, limit: float, reduce: bool) -> bool:
