@@ -35,7 +35,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from autotp.capture.emit import emit as _emit
+from autotp.capture.emit import emit
 from autotp.capture.fused import unfuse_projections
 from autotp.errors import CaptureError
 
@@ -145,22 +145,22 @@ def decompose_batch_norm(gm: fx.GraphModule) -> None:
         dims = [0] + list(range(2, len(shape)))
         stat_shape = [1, channels] + [1] * (len(shape) - 2)
         with graph.inserting_before(node):
-            mean = _emit(gm, aten.div.Tensor, _emit(gm, aten.sum.dim_IntList, x, dims, True), count)
-            centered = _emit(gm, aten.sub.Tensor, x, mean)
-            var = _emit(gm, aten.div.Tensor, _emit(gm, aten.sum.dim_IntList,
-                                                   _emit(gm, aten.mul.Tensor, centered, centered), dims, True), count)
-            out = _emit(gm, aten.mul.Tensor, centered, _emit(gm, aten.rsqrt.default, _emit(gm, aten.add.Tensor, var, eps)))
+            mean = emit(gm, aten.div.Tensor, emit(gm, aten.sum.dim_IntList, x, dims, True), count)
+            centered = emit(gm, aten.sub.Tensor, x, mean)
+            var = emit(gm, aten.div.Tensor, emit(gm, aten.sum.dim_IntList,
+                                                   emit(gm, aten.mul.Tensor, centered, centered), dims, True), count)
+            out = emit(gm, aten.mul.Tensor, centered, emit(gm, aten.rsqrt.default, emit(gm, aten.add.Tensor, var, eps)))
             if weight is not None:
-                out = _emit(gm, aten.mul.Tensor, out, _emit(gm, aten.view.default, weight, stat_shape))
+                out = emit(gm, aten.mul.Tensor, out, emit(gm, aten.view.default, weight, stat_shape))
             if bias is not None:
-                out = _emit(gm, aten.add.Tensor, out, _emit(gm, aten.view.default, bias, stat_shape))
+                out = emit(gm, aten.add.Tensor, out, emit(gm, aten.view.default, bias, stat_shape))
             for buffer, stat, scale in ((running_mean, mean, 1.0), (running_var, var, count / max(count - 1, 1))):
                 if buffer is None:
                     continue
-                batch = _emit(gm, aten.detach.default, _emit(gm, aten.view.default, stat, [channels]))
-                update = _emit(gm, aten.add.Tensor, _emit(gm, aten.mul.Tensor, buffer, 1.0 - momentum),
-                               _emit(gm, aten.mul.Tensor, batch, momentum * scale))
-                written = _emit(gm, aten.copy_.default, buffer, update)
+                batch = emit(gm, aten.detach.default, emit(gm, aten.view.default, stat, [channels]))
+                update = emit(gm, aten.add.Tensor, emit(gm, aten.mul.Tensor, buffer, 1.0 - momentum),
+                               emit(gm, aten.mul.Tensor, batch, momentum * scale))
+                written = emit(gm, aten.copy_.default, buffer, update)
                 order[written] = order[node]
                 _redirect_later_uses(buffer, written, node, order)
         node.replace_all_uses_with(out)
@@ -231,9 +231,9 @@ def functionalize_inplace(gm: fx.GraphModule) -> None:
                                "(y = x + z instead of x += z)")
         dtype = node.meta["val"].dtype
         with graph.inserting_before(node):
-            new = _emit(gm, functional, *node.args, **node.kwargs)
+            new = emit(gm, functional, *node.args, **node.kwargs)
             if new.meta["val"].dtype != dtype:  # in place keeps self's dtype; out of place may promote
-                new = _emit(gm, aten._to_copy.default, new, dtype=dtype)
+                new = emit(gm, aten._to_copy.default, new, dtype=dtype)
         new.meta = {**node.meta, "val": new.meta["val"]}
         order[new] = order[node]
         _redirect_later_uses(target, new, node, order)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 
 from autotp.capture.experts import EXPERTS
-from autotp.placement import local_bytes, local_shape, shard_factor
+from autotp.placement import local_bytes, shard_factor
 from autotp.redistribute import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, SLICE
-from autotp.strategies.experts import INDEX, TOKENS, routed_axes
+from autotp.strategies.experts import routed_axes, routed_bytes
 
 ALL_TO_ALL = "all_to_all"
 
@@ -106,8 +106,7 @@ def inner_collective_calls(op, strategy, mesh, training: bool) -> list[tuple[str
                   if mesh.shape[axis] > 1 for _ in range(n)]
     if op.target == EXPERTS:
         axes = [a for a in routed_axes(strategy) if mesh.shape[a] > 1]
-        pairs = math.prod(local_shape(op.in_metas[INDEX].shape, strategy.ins[INDEX], mesh.shape))
-        nbytes = pairs * op.in_metas[TOKENS].shape[-1] * op.in_metas[TOKENS].dtype.itemsize
+        nbytes = routed_bytes(op, strategy, mesh.shape)
         phases = ("forward", "backward") if training and op.requires_grad else ("forward",)
         calls += [(ALL_TO_ALL, a, nbytes, phase) for phase in phases for a in axes for _ in range(2)]
     return calls

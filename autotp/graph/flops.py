@@ -27,8 +27,8 @@ def _contracted(ins, out) -> int:
 
 
 ALIAS_OPS = frozenset({
-    aten.view.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default, aten.t.default, aten.numpy_T.default,
-    aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.alias.default, aten.detach.default,
+    aten.view.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default, aten.t.default,
+    aten.numpy_T.default, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.alias.default, aten.detach.default,
     aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.slice.Tensor,
     aten.select.int, aten.unbind.int,
 })

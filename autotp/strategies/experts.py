@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 
-from autotp.placement import Shard
+from autotp.placement import Shard, local_shape
 from autotp.strategies.base import AxisOption, P, R
 
 EXPERT_PARALLEL = "expert_parallel"
@@ -54,6 +54,13 @@ def routed_axes(strategy) -> tuple[int, ...]:
     """The mesh axes whose devices exchange (token, expert) pairs by all-to-all: tokens and experts both split."""
     return tuple(a for a, (t, e) in enumerate(zip(strategy.ins[TOKENS], strategy.ins[GATE_UP]))
                  if isinstance(t, Shard) and isinstance(e, Shard))
+
+
+def routed_bytes(op, strategy, mesh_shape) -> int:
+    """Bytes one device sends in each all-to-all of a routing axis: a hidden vector per local (token, expert)
+    pair, taken as spread evenly over the devices that own the experts."""
+    pairs = math.prod(local_shape(op.in_metas[INDEX].shape, strategy.ins[INDEX], mesh_shape))
+    return pairs * op.in_metas[TOKENS].shape[-1] * op.in_metas[TOKENS].dtype.itemsize
 
 
 def work_share(strategy, mesh_shape) -> float:
