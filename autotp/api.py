@@ -157,16 +157,18 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
         if k > ceiling:
             continue
         args, kwargs = micro_batch(example_inputs, example_kwargs, k)
-        captured = deferred.pop(k) if k in deferred else capture_model(model, args, kwargs, replay_layers, stages)
+        captured, costed = deferred.pop(k) if k in deferred else (
+            capture_model(model, args, kwargs, replay_layers, stages), None)
         defer = k == counts[0] and likely is not None and likely in pending
         try:
             result = plan_captured(captured, mesh, micro_batches=k, progress=stages,
                                    defer_over=DEFER_OVER if defer else None,
-                                   beat_s=best.predicted["total_s"] if best else None, **options)
-        except MemoryBinds:
+                                   beat_s=best.predicted["total_s"] if best else None, costed=costed, **options)
+        except MemoryBinds as exc:
             # one micro-batch is far over the limit, and its search under the limit the costliest of all: first
-            # find the plan of the likeliest count, whose step time then cuts this search (and the others) short
-            deferred[k] = captured
+            # find the plan of the likeliest count, whose step time then cuts this search (and the others) short;
+            # its costed problem is kept for then
+            deferred[k] = captured, exc.problem
             _try_first(pending, likely)
             pending.insert(1, k)
             continue
@@ -253,13 +255,15 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
                   solver: str = "auto", precision: str = AUTO, optimizer_sharding: bool = True,
                   recompute: bool | str = True, micro_batches: int = 1, beat_s: float | None = None,
                   regather: bool = True, overlap_tp: bool = True, progress: Stages | None = None,
-                  defer_over: float | None = None) -> Plan:
+                  defer_over: float | None = None, costed=None) -> Plan:
     """Stages 2 to 5 of `plan` on a captured model: strategies, costs, the ILP, the `Plan`.
 
     ``beat_s``: raise `NoBetterPlan` as soon as the fastest plan, without the
     memory limit or under it, is no faster; ``defer_over``: raise
     `MemoryBinds` rather than search under a limit the fastest plan needs
-    more than that many times (both for the micro-batch search of `plan`).
+    more than that many times, carrying the costed problem, which a later
+    call with the same arguments takes back as ``costed`` to skip stages 2
+    and 3 (all three for the micro-batch search of `plan`).
     """
     started, stages = time.perf_counter(), stages_or_silent(progress)
     mesh, profile, graph = as_mesh(mesh), load_profile(profile), captured.graph
@@ -267,18 +271,20 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
     if recompute not in (True, False, LAYERS):
         raise PlanError(f"recompute={recompute!r}: use True (whole layer classes), {LAYERS!r} (any number of "
                         "a class's layers) or False")
-    with stages.stage("enumerating strategies") as stage:
-        strategies = enumerate_strategies(graph, mesh.shape, registry or default_registry(),
-                                          optimizer_sharding=training and optimizer_sharding)
-        apply_constraints(graph, strategies, pin, allow)
-        prune_unreachable(graph, strategies)
-        stage.detail = f"{sum(len(s) for s in strategies.by_node.values()):,} strategies"
-    with stages.stage("costing"):
-        problem = build_problem(graph, strategies, mesh, profile, training, overlap_gradients, share_layers,
-                                whole_outputs, int(bucket_cap_mb * 2**20), precision, recompute, micro_batches,
-                                overlap_tp)
-        if not regather:
-            problem.regather = {}
+    problem = costed
+    if problem is None:
+        with stages.stage("enumerating strategies") as stage:
+            strategies = enumerate_strategies(graph, mesh.shape, registry or default_registry(),
+                                              optimizer_sharding=training and optimizer_sharding)
+            apply_constraints(graph, strategies, pin, allow)
+            prune_unreachable(graph, strategies)
+            stage.detail = f"{sum(len(s) for s in strategies.by_node.values()):,} strategies"
+        with stages.stage("costing"):
+            problem = build_problem(graph, strategies, mesh, profile, training, overlap_gradients, share_layers,
+                                    whole_outputs, int(bucket_cap_mb * 2**20), precision, recompute,
+                                    micro_batches, overlap_tp)
+            if not regather:
+                problem.regather = {}
     limit = (default_memory_limit(profile, training) if memory_limit == AUTO
              else parse_bytes(memory_limit) if memory_limit is not None else None)
     with stages.stage("solving ILP") as stage:
@@ -286,6 +292,9 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
             solution = solve(problem, time_limit_s, limit, solver, beat_s=beat_s, defer_over=defer_over)
         except MemoryInfeasible as exc:
             raise memory_limit_error(graph, problem, exc.smallest, mesh, training, limit, whole_outputs) from None
+        except MemoryBinds as exc:
+            exc.problem = problem
+            raise
         stage.detail = f"{solution.variables:,} variables"
     result = assemble_plan(graph, problem, solution, mesh, profile, training, dict(captured.specs), whole_outputs)
     result.scopes = node_scopes(captured.gm)

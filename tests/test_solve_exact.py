@@ -45,7 +45,7 @@ from autotp.solve.ilp import _BYTES, MemoryInfeasible, NoBetterPlan, solve
 from autotp.solve.prefetch import prefetch_times_s
 from autotp.solve.problem import Arm, FanOut, Group, Problem
 from autotp.solve.recompute import Recompute
-from autotp.solve.regather import KINDS, Regather, folded, kind_sets
+from autotp.solve.regather import KINDS, Regather, folded, kind_sets, least_of_sets
 from autotp.solve.reduce import reduce_problem
 from autotp.solve.step import memory_bytes, step_time
 
@@ -241,11 +241,15 @@ def test_the_ilp_and_the_reduction_keep_the_best_plan_of_every_random_problem(se
             _best(every, limit), abs=1e-9), (seed, reduce)
         free, limited = _best(every), _best(every, limit)
         if limited > free + 1e-6:  # a plan found elsewhere as fast as the limited optimum: this one is not needed
-            with pytest.raises(NoBetterPlan) as beaten:
-                solve(problem, memory_limit_bytes=limit, reduce=reduce, beat_s=limited)
-            assert not beaten.value.unlimited  # without the limit it would be faster: more room may still win
+            for beat_s in (limited, (free + limited) / 2):  # the latter often beaten by one relaxation for all sets
+                with pytest.raises(NoBetterPlan) as beaten:
+                    solve(problem, memory_limit_bytes=limit, reduce=reduce, beat_s=beat_s)
+                assert not beaten.value.unlimited  # without the limit it would be faster: more room may still win
             assert solve(problem, memory_limit_bytes=limit, reduce=reduce, beat_s=limited + 1e-3).objective_s == \
                 pytest.approx(limited, abs=1e-9)
+        if problem.regather:  # one relaxation for every set bounds them all (`autotp.solve.ilp._beaten_everywhere`)
+            optimistic = list(_plans(least_of_sets(problem)))
+            assert _best(optimistic) <= free + 1e-9 and _best(optimistic, limit) <= limited + 1e-9, seed
         with pytest.raises(MemoryInfeasible) as caught:
             solve(problem, memory_limit_bytes=memories[0] - _BYTES / 2, reduce=reduce)
         assert caught.value.smallest.objective_s * _BYTES == pytest.approx(memories[0])

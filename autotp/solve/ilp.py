@@ -42,7 +42,7 @@ from autotp.solve.gap import (complete_start, lp_relaxation_bound, optimality_ga
 from autotp.solve.linear import Model, total
 from autotp.solve.problem import Problem
 from autotp.solve.recompute import layer_counts
-from autotp.solve.regather import folded, kind_sets
+from autotp.solve.regather import folded, kind_sets, least_of_sets
 from autotp.solve.reduce import possible, reduce_problem
 from autotp.solve.step import memory_bytes, regather_effect
 
@@ -314,7 +314,10 @@ class NoBetterPlan(Exception):
 
 class MemoryBinds(Exception):
     """The fastest plan needs many times the memory limit, and the caller asked to hear so before the search
-    under the limit (``solve(..., defer_over=...)``): it may first find a plan elsewhere to beat."""
+    under the limit (``solve(..., defer_over=...)``): it may first find a plan elsewhere to beat.
+    ``problem``: the problem, for the caller to solve later (`autotp.api.plan_captured` sets it)."""
+
+    problem = None
 
 
 def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_bytes: float | None = None,
@@ -419,9 +422,12 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
     objective, a lower bound all along, passes it; the survivors are solved
     in order of their bounds (ties: the larger set first). Bounds and order
     are skipped under a time limit, which solves each set whole. A branch
-    whose relaxation is infeasible has no plan, and is not solved. Exact:
-    the branches partition the plans, and a bound never exceeds its
-    branch's optimum.
+    whose relaxation is infeasible has no plan, and is not solved. With a
+    target from the start (``beat_s``), one relaxation per branch bounds
+    every set at once first (`_beaten_everywhere`): a micro-batch count that
+    cannot win is set aside before any set's model is built. Exact: the
+    branches partition the plans, and a bound never exceeds its branch's
+    optimum.
     """
     cutoff = beat_s * _SCALE if beat_s is not None else None
     search = _Search(problem, limit, reduce, time_limit_s, solver, cutoff)
@@ -430,17 +436,16 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
     if time_limit_s is not None:  # no bounds: each set is solved whole, its ILP built when it is solved
         survivors = [(0.0, i, kinds, folded(problem, kinds), {}, None) for i, kinds in enumerate(bounded)]
         bounded = []
+    elif cutoff is not None and len(bounded) > 1 and _beaten_everywhere(problem, limit, reduce, search):
+        return search.result()
     with _Builder(problem, limit, reduce, bounded) as built:
         for kinds in bounded:
             variant, model = built.next()
             for fixed in _branches(model[1]):
                 _fix(model[1], fixed)
-                bound = lp_relaxation_bound(model[0], cutoff=search.cutoff_now(),
-                                            infeasible=lambda: not _may_fit(variant, fixed, limit, reduce))
-                if bound is None and model[0].status == "Infeasible":
+                bound = _branch_bound(model[0], variant, fixed, limit, reduce, search)
+                if bound is None:
                     continue  # not even fractional choices fit: no plan of this branch does
-                # an unknown bound (the LP solver gave up) proves nothing: the branch is solved
-                bound = -math.inf if bound is None else bound
                 if search.target() is None:
                     search.solve(kinds, variant, fixed, model)
                     if search.failed is not None:
@@ -453,6 +458,40 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
         if search.failed is not None:
             return search.failed
     return search.result()
+
+
+def _branch_bound(lp, variant: Problem, fixed: dict, limit: float, reduce: bool, search: "_Search") -> float | None:
+    """The LP relaxation's bound of one branch (its recompute binaries pinned), stopped at the search's target;
+    None when not even fractional choices fit. A bound the LP solver gave up on proves nothing: ``-inf``."""
+    bound = lp_relaxation_bound(lp, cutoff=search.cutoff_now(),
+                                infeasible=lambda: not _may_fit(variant, fixed, limit, reduce))
+    if bound is None and lp.status == "Infeasible":
+        return None
+    return -math.inf if bound is None else bound
+
+
+def _beaten_everywhere(problem: Problem, limit: float, reduce: bool, search: "_Search") -> bool:
+    """Whether no set of regathered kinds holds a plan under the limit faster than the search's target, by
+    one relaxation per branch for every set at once.
+
+    `least_of_sets` costs each plan no more, and in no more memory, than any
+    set does, so a branch its relaxation proves beaten by the target (or
+    unable to fit) is so in every set: a micro-batch count that cannot win
+    is set aside after one model and a relaxation per branch, where the sets
+    one by one take a model and a relaxation each. The branch that recomputes
+    least (the likeliest to stay open) goes first, and the first left open
+    ends the test: then the sets are searched as before, every branch of
+    them (a branch skipped would leave the next one's relaxation without its
+    warm start).
+    """
+    variant = least_of_sets(problem)
+    lp, x = _model(variant, "time", limit, reduce)
+    for fixed in reversed(_branches(x)):
+        _fix(x, fixed)
+        bound = _branch_bound(lp, variant, fixed, limit, reduce, search)
+        if bound is not None and not search.skips(bound):
+            return False
+    return True
 
 
 class _Builder:

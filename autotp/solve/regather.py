@@ -85,21 +85,40 @@ def kind_sets(problem) -> list[tuple[str, ...]]:
 def folded(problem, kinds):
     """``problem`` with every use of each kind in ``kinds`` regathered and nothing left to choose: their seconds
     added to, and their freed bytes taken from, the costs and memory of the pieces they live on."""
+    return _fold(problem, kinds, lambda seconds: seconds, lambda freed: freed)
+
+
+def least_of_sets(problem):
+    """``problem`` with each piece at its least seconds and least bytes over every set of kinds: only the
+    seconds a regather saves (a collective matmul's credit, where it hides more) and every byte it frees.
+
+    Each set's problem (`folded`) adds to every piece the sum of its kinds' seconds and takes the sum of their
+    bytes, so this one costs every plan no more, and needs no more memory for it, than any set does: its
+    optimum, and its relaxation's, bound all sets' at once (`autotp.solve.ilp` prunes a micro-batch count on
+    one relaxation rather than one per set).
+    """
+    return _fold(problem, tuple(problem.regather), lambda seconds: min(seconds, 0.0), lambda freed: max(freed, 0))
+
+
+def _fold(problem, kinds, seconds_of, freed_of):
+    """``problem`` with each kind in ``kinds`` folded in: ``seconds_of(s)`` added to, and ``freed_of(b)`` taken
+    from, each piece's costs and memory, per use regathered (``s`` seconds, ``b`` bytes freed)."""
     out = replace(problem, groups=dict(problem.groups), edges=dict(problem.edges),
                   edge_memory=dict(problem.edge_memory), fanouts=list(problem.fanouts), regather={})
     for kind in kinds:
         r = problem.regather[kind]
         for g, (seconds, freed) in r.groups.items():
             group = out.groups[g]
-            out.groups[g] = replace(group, cost_s=[c + s for c, s in zip(group.cost_s, seconds)],
-                                    memory_bytes=[m - b for m, b in zip(group.memory_bytes, freed)])
+            out.groups[g] = replace(group, cost_s=[c + seconds_of(s) for c, s in zip(group.cost_s, seconds)],
+                                    memory_bytes=[m - freed_of(b) for m, b in zip(group.memory_bytes, freed)])
         for e, (seconds, freed) in r.edges.items():
-            out.edges[e] = [[c + s for c, s in zip(*rows)] for rows in zip(out.edges[e], seconds)]
+            out.edges[e] = [[c + seconds_of(s) for c, s in zip(*rows)] for rows in zip(out.edges[e], seconds)]
             if any(any(row) for row in freed):  # a ring's credit alone frees nothing
-                out.edge_memory[e] = [[m - b for m, b in zip(*rows)] for rows in zip(out.edge_memory[e], freed)]
+                out.edge_memory[e] = [[m - freed_of(b) for m, b in zip(*rows)]
+                                      for rows in zip(out.edge_memory[e], freed)]
         for (f, k), (seconds, freed) in r.items.items():
             fanout = out.fanouts[f] = replace(out.fanouts[f], cost_s=list(out.fanouts[f].cost_s),
                                               memory_bytes=list(out.fanouts[f].memory_bytes))
-            fanout.cost_s[k] += seconds
-            fanout.memory_bytes[k] -= freed
+            fanout.cost_s[k] += seconds_of(seconds)
+            fanout.memory_bytes[k] -= freed_of(freed)
     return out
