@@ -14,6 +14,7 @@ from autotp.capture.micro import batch_size, divisors, micro_batch
 from autotp.cost.memory import TERMS, check_precision
 from autotp.cost.profile import load_profile
 from autotp.errors import MemoryLimitError, PlanError
+from autotp.gcpause import collector_paused
 from autotp.graph import build_opgraph
 from autotp.lower import lower
 from autotp.materialize import StateDictSource, check_materialized, prepare_weights
@@ -68,6 +69,7 @@ def default_memory_limit(profile, training: bool) -> int | None:
     return int(profile.device["memory_bytes"] * (1 - MEMORY_RESERVE)) if training else None
 
 
+@collector_paused()
 def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool = True,
          profile=DEFAULT_PROFILE, pin: dict | None = None, allow=None, registry=None,
          time_limit_s: float | None = None, memory_limit=AUTO, overlap_gradients: bool = True,
@@ -249,6 +251,7 @@ def capture_model(model, example_inputs=(), example_kwargs=None, replay_layers: 
     return Captured(gm, graph, specs)
 
 
+@collector_paused()
 def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DEFAULT_PROFILE, pin=None,
                   allow=None, registry=None, time_limit_s=None, memory_limit=AUTO, overlap_gradients: bool = True,
                   bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True,
