@@ -186,7 +186,12 @@ def _fanout_items(lp, problem: Problem, x: dict, y: dict, every: bool) -> list[t
     """``(w, seconds, bytes)`` per fan-out item: ``w >= (a use needs it)`` per use, so it is paid once.
 
     ``every`` item (the time objective), or only those holding a gathered
-    input kept for backward (bytes for the memory row).
+    input kept for backward (bytes for the memory row). An item only one use
+    needs is that use's indicator itself (its pairs are one-hot, so the sum
+    is 0 or 1): ``w`` would equal it at every optimum, as seconds and bytes
+    are never negative, so it gets neither a variable nor a row. On
+    Llama-2-70B that is 17,000 of the 30,000 rows, which HiGHS's presolve
+    removed for a MIP and every LP relaxation (run without presolve) carried.
     """
     terms = []
     for f, fanout in enumerate(problem.fanouts):
@@ -200,6 +205,9 @@ def _fanout_items(lp, problem: Problem, x: dict, y: dict, every: bool) -> list[t
         for item, by_arm in needs.items():
             nbytes = fanout.memory_bytes[item] if fanout.memory_bytes else 0
             if not (every or nbytes):
+                continue
+            if len(by_arm) == 1:  # one use needs it: paid when that use is, no variable or row of its own
+                terms.append((total(*by_arm.values()), fanout.cost_s[item], nbytes))
                 continue
             w = lp.var()
             for indicators in by_arm.values():
