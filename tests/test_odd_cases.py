@@ -12,6 +12,8 @@ outputs and every gradient are compared with the single-device model.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -297,3 +299,28 @@ def test_in_place_ops_on_activations_become_out_of_place_and_buffer_updates_stay
     assert all(n.args[0].op == "get_attr" for n in in_place)  # num_batches_tracked, running_mean, running_var
     model, args, _ = make("inplace")
     assert not [n for n in capture(model, args).graph.nodes if _writes_in_place(n)]
+
+
+class StepCounter(nn.Module):
+    """A step counter updated through a ``.to()`` that converts nothing, as transformers' static cache counts
+    its length (``cumulative_length.to(device).add_(n)``): ATen's ``to`` returns the tensor itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.steps.to(x.device).add_(1)
+        return self.fc(x) * self.steps.to(x.dtype)
+
+
+def test_an_update_through_a_to_that_converts_nothing_writes_the_buffer_itself():
+    torch.manual_seed(0)
+    model, x = StepCounter(), torch.randn(2, 4)
+    eager = copy.deepcopy(model)
+    gm = capture(model, (x,))  # its buffer is the model's
+    updates = [n for n in gm.graph.nodes if _writes_in_place(n)]
+    assert [(str(n.target), n.args[0].op) for n in updates] == [("aten.add_.Tensor", "get_attr")]
+    for step in (1, 2):  # the captured program counts as the model does, and reads the count after it
+        assert torch.equal(gm(x), eager(x)) and int(model.steps) == int(eager.steps) == step

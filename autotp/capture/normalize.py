@@ -205,6 +205,22 @@ def _views_read_after(base: fx.Node, node: fx.Node, order: dict) -> bool:
     return False
 
 
+_CONVERSIONS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other}
+
+
+def _itself(node: fx.Node) -> fx.Node:
+    """The tensor ``node`` is, through ``.to()`` calls that convert nothing (ATen returns the input itself:
+    transformers' static cache does ``length.to(device).add_(n)``)."""
+    while (node.op == "call_function" and node.target in _CONVERSIONS and isinstance(node.args[0], fx.Node)
+           and not node.kwargs.get("copy", False)):
+        before, after = node.args[0].meta.get("val"), node.meta.get("val")
+        if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)
+                and (before.dtype, before.device, before.layout) == (after.dtype, after.device, after.layout)):
+            break
+        node = node.args[0]
+    return node
+
+
 def functionalize_inplace(gm: fx.GraphModule) -> None:
     """Rewrite in-place ops on activations out of place; keep (and order) updates of inputs and buffers.
 
@@ -217,7 +233,10 @@ def functionalize_inplace(gm: fx.GraphModule) -> None:
     for node in list(graph.nodes):
         if not _is_inplace(node) or not isinstance(node.args[0], fx.Node):
             continue
-        target = node.args[0]
+        target = _itself(node.args[0])
+        if target is not node.args[0]:  # a `.to()` that converted nothing: the update writes the tensor itself
+            _redirect_later_uses(node.args[0], node, node, order)
+            node.replace_input_with(node.args[0], target)
         if target.op in ("placeholder", "get_attr"):
             _redirect_later_uses(target, node, node, order)
             continue
