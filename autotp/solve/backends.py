@@ -13,11 +13,7 @@ branching). HiGHS keeps its presolve: without it Llama-2-70B's ILP at batch
 (each binary tried at 0 and 1 to find implications) is off: on those ILPs
 it was half of the MIP's time (6.7 s of presolve, 2.7 s without it, the
 optimum the same: 70B at batch 8 under the limit solved in 4.2 s instead of
-8.5, at batch 64 in 7.9 s instead of 16.3). So is its enumeration rule
-(a second of the 2.4 s presolve, on these MIPs): the five MIPs that plan
-Llama-2-70B on 4x8 at batch 8 and 64 took 11.8 s without it against 14.1 s
-with it (from 2.8 to 1.5 s for a MIP that proves a tie, 4.2 to 4.5 s for
-the hardest). An LP relaxation alone
+8.5, at batch 64 in 7.9 s instead of 16.3). An LP relaxation alone
 runs without presolve: HiGHS's dual simplex solves these in about a
 second from the raw model, where presolving them first took 3 to 66 s. CBC runs
 without its feasibility pump (seconds spent before the branching that
@@ -55,8 +51,8 @@ def resolve(name: str) -> str:
 CUT_OFF = "Cut off"  # the status of a relaxation whose optimum is proven to be at least its cutoff
 
 # HiGHS's presolve rules are bits of ``presolve_rule_off`` in the order of its ``PresolveRuleType``; probing is
-# bit 15 and enumeration bit 16 from HiGHS 1.13 on (hence highspy>=1.13 in pyproject.toml)
-_PROBING, _ENUMERATION = 1 << 15, 1 << 16
+# bit 15 from HiGHS 1.13 on (hence highspy>=1.13 in pyproject.toml)
+_PROBING = 1 << 15
 
 
 def solve_mip(model, name: str, time_limit_s: float | None, cutoff: float | None = None) -> None:
@@ -66,8 +62,7 @@ def solve_mip(model, name: str, time_limit_s: float | None, cutoff: float | None
     ``"Infeasible"``); CBC ignores it."""
     if name == "highs":
         h = _highs(model, integral=True)
-        _options(h, threads=1, mip_rel_gap=0.0, presolve_rule_off=_PROBING | _ENUMERATION,
-                 time_limit=_limit(time_limit_s),
+        _options(h, threads=1, mip_rel_gap=0.0, presolve_rule_off=_PROBING, time_limit=_limit(time_limit_s),
                  objective_bound=math.inf if cutoff is None else cutoff)
         if time_limit_s is not None and model.start:
             _start(h, model.start)
