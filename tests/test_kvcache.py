@@ -76,6 +76,7 @@ def test_greedy_decoding_with_a_static_cache_on_two_ranks_matches_generate():
                                                    profile=weights_bound_profile(), pin=pin)
             assert any(p != "R" for n in plan.nodes.values() for p in n.out), (name, kind)  # the step really splits
             assert any(c["phase"] == "forward" for c in plan.collectives), (name, kind)
+            assert not [op for op in plan.fallback_ops if op.startswith("index_copy")], (name, kind)  # understood
         assert plans[name, "megatron"].parameters["model.model.layers.1.self_attn.k_proj.weight"] == ("S(0)",)
     # the cache is written whole: Llama's keys and values, split by kv-head, are gathered into it
     assert {c["node"] for c in plans["llama", "megatron"].collectives} >= {"index_copy_", "index_copy__2"}

@@ -15,7 +15,7 @@ from __future__ import annotations
 INPLACE_UPDATES = ("copy_", "add_", "sub_", "mul_", "div_", "fill_", "zero_", "clamp_", "masked_fill_", "relu_",
                    "gelu_", "silu_", "sigmoid_", "tanh_", "exp_", "neg_", "pow_", "sqrt_", "abs_", "lerp_",
                    "addcmul_", "addcdiv_", "index_put_", "index_add_", "scatter_", "scatter_add_", "clamp_min_",
-                   "clamp_max_", "fill_diagonal_")
+                   "clamp_max_", "fill_diagonal_", "index_copy_")  # the last: a key/value cache's write
 
 
 def in_place_update_rule(op):
