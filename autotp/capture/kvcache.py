@@ -54,12 +54,6 @@ class CachedDecoder(nn.Module):
                          **{self._cache_argument: self.cache})
         return out.logits
 
-    def reset(self) -> None:
-        """Empty the cache for a new batch of prompts."""
-        for i in range(len(self.cache.layers)):
-            for name in _STATE:
-                getattr(self, f"cache_{i}_{name}").zero_()
-
 
 _STATE = ("keys", "values", "cumulative_length")  # a StaticLayer's tensors
 
@@ -67,7 +61,9 @@ _STATE = ("keys", "values", "cumulative_length")  # a StaticLayer's tensors
 def greedy(step, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """The ``new_tokens`` tokens greedy decoding appends to ``prompt`` (rows of equal length), one position a
     call of ``step`` (a `CachedDecoder` or its rank module, whose outputs are whole): prompt tokens are fed
-    one by one, as the decode step's shape is one token a row."""
+    one by one, as the decode step's shape is one token a row. A fresh step (an empty cache) for each prompt."""
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be at least 1, not {new_tokens}")
     out, token = [], None
     for position in range(prompt.shape[1] + new_tokens - 1):
         ids = prompt[:, position:position + 1] if position < prompt.shape[1] else token
