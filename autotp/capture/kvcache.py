@@ -67,7 +67,7 @@ def greedy(step, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
     out, token = [], None
     for position in range(prompt.shape[1] + new_tokens - 1):
         ids = prompt[:, position:position + 1] if position < prompt.shape[1] else token
-        logits = step(ids, torch.tensor([position]))
+        logits = step(ids, torch.tensor([position], device=prompt.device))
         if position >= prompt.shape[1] - 1:
             token = logits[:, -1].argmax(-1, keepdim=True)
             out.append(token)
