@@ -77,9 +77,15 @@ def test_greedy_decoding_with_a_static_cache_on_two_ranks_matches_generate():
             assert any(p != "R" for n in plan.nodes.values() for p in n.out), (name, kind)  # the step really splits
             assert any(c["phase"] == "forward" for c in plan.collectives), (name, kind)
             assert not [op for op in plan.fallback_ops if op.startswith("index_copy")], (name, kind)  # understood
+            for i in range(2):  # each write takes the cache as it is laid out: in place, never a copy
+                assert plan.nodes[f"index_copy__{i}" if i else "index_copy_"].ins[0] == plan.nodes[f"cache_0_{('keys', 'values')[i]}"].out
         assert plans[name, "megatron"].parameters["model.model.layers.1.self_attn.k_proj.weight"] == ("S(0)",)
-    # the cache is written whole: Llama's keys and values, split by kv-head, are gathered into it
-    assert {c["node"] for c in plans["llama", "megatron"].collectives} >= {"index_copy_", "index_copy__2"}
+    # Llama's cache is split by kv-head as its keys and values are made, and written where they are: nothing moves
+    megatron = plans["llama", "megatron"]
+    assert {megatron.nodes[f"cache_{i}_{s}"].out for i in range(2) for s in ("keys", "values")} == {("S(1)",)}
+    assert not {c["node"] for c in megatron.collectives} & {"index_copy_", "index_copy__1", "index_copy__2"}
+    # Mistral's one kv-head cannot be split over two devices: its cache stays whole
+    assert plans["mistral", "megatron"].nodes["cache_0_keys"].out == ("R",)
     for rank, out in enumerate(spawn(_decode, 2, plans)):
         for (name, kind), (tokens, logits) in out.items():
             assert tokens == reference[name][0], (name, kind, rank)

@@ -12,8 +12,10 @@ in order, and which a rank module then updates on every rank. The cache is
 transformers' own class, allocated ahead of use with its
 ``early_initialization``, as its ``torch.export`` recipes do.
 
-Today buffers are placed whole on every rank (`autotp.strategies.inplace`):
-the heads' keys and values are gathered before they are written.
+The plan may split the cache as it splits the keys and values it holds, by
+kv-head, each rank then keeping and writing its own heads
+(`autotp.strategies.inplace`); a cache whose heads the devices do not divide
+stays whole.
 """
 
 from __future__ import annotations

@@ -228,6 +228,26 @@ class _Lowerer:
         return new
 
 
+def _shard_buffers(gm: fx.GraphModule, plan, coords) -> None:
+    """Keep this rank's piece of each buffer the plan splits (a key/value cache by kv-heads), in its place.
+
+    Such a buffer is state the program writes in place, taken as it is laid
+    out (`autotp.strategies.inplace`), so each rank holds and updates its piece
+    between calls; every other buffer stays whole.
+    """
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.name not in plan.nodes:
+            continue
+        layout = plan.nodes[node.name].out_layout()
+        if all(p == R for p in layout):
+            continue
+        owner_name, _, leaf = node.target.rpartition(".")
+        owner = gm.get_submodule(owner_name) if owner_name else gm
+        if leaf not in owner._buffers:
+            continue  # a parameter: placed above
+        owner._buffers[leaf] = shard_tensor(owner._buffers[leaf], layout, plan.mesh.shape, coords)
+
+
 def _node_plan(plan, node: fx.Node):
     entry = plan.nodes.get(node.name)
     if entry is None:
@@ -339,6 +359,7 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, graph=None, batch
         axes = plan.optimizer_sharding.get(planned[0])
         if axes and param.requires_grad:
             optimizer_shards.append((local, low.axes_comm(tuple(plan.mesh.names.index(a) for a in axes))))
+    _shard_buffers(gm, plan, coords)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.name in plan.nodes:
             _rewrite_inputs(low, node, _node_plan(plan, node))

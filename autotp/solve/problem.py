@@ -48,6 +48,7 @@ from autotp.solve.recompute import LAYERS, recompute_classes
 from autotp.solve.regather import Regather, regather_kind
 from autotp.solve.tp_overlap import Hidden
 from autotp.strategies.enumerate import OpStrategies
+from autotp.strategies.inplace import writes_in_place
 
 OUTPUT = "output"  # the consumer name of a use that returns the tensor from the program
 _NOTHING = (0.0, 0)  # a use's regather seconds and freed bytes where it keeps no gathered input
@@ -323,7 +324,7 @@ class _Coster:
 
         The key is what the lowering shares a redistribution by (`use_target`).
         ``None`` with infinite time: the pair cannot be (the pieces of a split
-        are taken as produced). ``kept``: the bytes the redistribution leaves
+        are taken as produced, and so is a tensor an op writes in place). ``kept``: the bytes the redistribution leaves
         alive until backward (`kept_use_bytes`: a sum's result, an all-gathered
         input the consumer's backward reads). ``regather``: the seconds and the
         bytes freed if that gathered input is gathered again in backward instead
@@ -337,8 +338,9 @@ class _Coster:
         strategy = None if consumer == OUTPUT else self.problem.strategy(consumer, cv)
         meta, dst, grad, axes = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer,
                                            consumer, i, src, strategy)
-        if consumer != OUTPUT and self.graph.node(producer).multi_output and src != dst:
-            return None, math.inf, 0.0, 0, _NOTHING, None
+        if consumer != OUTPUT and src != dst and (self.graph.node(producer).multi_output
+                                                  or (i == 0 and writes_in_place(self.graph.node(consumer)))):
+            return None, math.inf, 0.0, 0, _NOTHING, None  # pieces of a split, or a tensor written in place
         split = made.gradient_slice_axes
         summed = split_gradient_axes(split, src, dst, grad, axes)
         if summed is None:

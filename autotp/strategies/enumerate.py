@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from autotp.graph.opgraph import KIND_OP, KIND_PARAM, OpGraph
+from autotp.graph.opgraph import KIND_BUFFER, KIND_OP, KIND_PARAM, OpGraph
 from autotp.graph.signature import op_signature
 from autotp.strategies.base import AxisOption, Strategy, expand
+from autotp.strategies.inplace import writes_in_place
 from autotp.placement import Partial, R, Shard
 
 
@@ -30,14 +31,19 @@ def enumerate_strategies(graph: OpGraph, mesh_shape, registry, optimizer_shardin
     `op_signature` (the same op in each of 80 identical layers) are enumerated once.
     With ``optimizer_sharding`` (training), a trained parameter also gets each
     of its layouts with its optimizer state split where it is whole
-    (`optimizer_variants`), after the plain ones.
+    (`optimizer_variants`), after the plain ones. A buffer written in place
+    (a key/value cache) may be split as a parameter may, where the op that
+    writes it can write a split (`autotp.strategies.inplace`); other buffers
+    stay whole.
     """
     result = OpStrategies(by_node={})
     seen: dict[tuple, tuple[list[Strategy], str | None]] = {}
+    written = {op.inputs[0] for op in graph.nodes() if writes_in_place(op) and op.inputs}
     for op in graph.nodes():
-        key = op_signature(op)
+        state = op.kind == KIND_BUFFER and op.name in written
+        key = op_signature(op), state
         if key not in seen:
-            strategies, reason = _strategies_of(op, mesh_shape, registry)
+            strategies, reason = _strategies_of(op, mesh_shape, registry, state)
             if optimizer_sharding and op.kind == KIND_PARAM and op.requires_grad:
                 strategies = strategies + [v for s in strategies for v in optimizer_variants(s, mesh_shape)]
             seen[key] = strategies, reason
@@ -69,9 +75,9 @@ def optimizer_variants(strategy: Strategy, mesh_shape) -> list[Strategy]:
     return [replace(strategy, optimizer_axes=a, gradient_split=g) for g in (False, True) for a in axes]
 
 
-def _strategies_of(op, mesh_shape, registry) -> tuple[list[Strategy], str | None]:
-    """``(strategies, reason it fell back or None)`` for one op."""
-    if op.kind == KIND_PARAM:
+def _strategies_of(op, mesh_shape, registry, state: bool = False) -> tuple[list[Strategy], str | None]:
+    """``(strategies, reason it fell back or None)`` for one op; ``state``: a buffer written in place."""
+    if op.kind == KIND_PARAM or state:
         return expand(op, _param_options(op), mesh_shape), None
     if op.kind != KIND_OP:
         return expand(op, [], mesh_shape), None

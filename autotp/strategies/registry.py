@@ -83,5 +83,6 @@ def default_registry() -> dict:
         reg[overload] = RuleEntry(pointwise.unary_rule)
     add(["topk", "sort", "cumsum", "cumprod"], reductions.along_dim_rule)
     add(inplace.INPLACE_UPDATES, inplace.in_place_update_rule)
+    add(["index_copy_"], inplace.index_copy_rule)
     reg[EXPERTS] = RuleEntry(experts.experts_rule)
     return reg
