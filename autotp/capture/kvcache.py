@@ -46,7 +46,7 @@ class CachedDecoder(nn.Module):
         self.cache.early_initialization(batch_size, heads, head_dim, weight.dtype, weight.device)
         for i, layer in enumerate(self.cache.layers):
             for name in _STATE:
-                self.register_buffer(f"cache_{i}_{name}", getattr(layer, name))
+                self.register_buffer(f"cache_{i}_{name}", getattr(layer, name), persistent=False)  # state, not weights
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.cache.layers):  # the buffers as export (or a rank module) holds them now

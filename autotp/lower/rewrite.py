@@ -229,23 +229,18 @@ class _Lowerer:
 
 
 def _shard_buffers(gm: fx.GraphModule, plan, coords) -> None:
-    """Keep this rank's piece of each buffer the plan splits (a key/value cache by kv-heads), in its place.
+    """Keep this rank's piece of each buffer the plan splits (``plan.buffers``: a key/value cache by kv-head).
 
     Such a buffer is state the program writes in place, taken as it is laid
     out (`autotp.strategies.inplace`), so each rank holds and updates its piece
     between calls; every other buffer stays whole.
     """
-    for node in gm.graph.nodes:
-        if node.op != "get_attr" or node.name not in plan.nodes:
-            continue
-        layout = plan.nodes[node.name].out_layout()
-        if all(p == R for p in layout):
-            continue
-        owner_name, _, leaf = node.target.rpartition(".")
+    for fqn, layout in plan.buffers.items():
+        owner_name, _, leaf = fqn.rpartition(".")
         owner = gm.get_submodule(owner_name) if owner_name else gm
         if leaf not in owner._buffers:
-            continue  # a parameter: placed above
-        owner._buffers[leaf] = shard_tensor(owner._buffers[leaf], layout, plan.mesh.shape, coords)
+            raise PlanError(f"the plan splits buffer {fqn!r}, which the model does not have: re-plan this model")
+        owner._buffers[leaf] = shard_tensor(owner._buffers[leaf], parse_layout(layout), plan.mesh.shape, coords)
 
 
 def _node_plan(plan, node: fx.Node):

@@ -16,8 +16,8 @@ from autotp.cost.comm import (collective_time_s, gradient_slice_time_s, inner_co
 from autotp.cost.compute import compute_time_s
 from autotp.cost.memory import kept_use_bytes, memory_by_term
 from autotp.cost.reshard import cheapest_steps, step_seconds
-from autotp.graph.opgraph import KIND_INPUT, KIND_PARAM
-from autotp.placement import layout_str, local_bytes
+from autotp.graph.opgraph import KIND_BUFFER, KIND_INPUT, KIND_PARAM
+from autotp.placement import R, layout_str, local_bytes
 from autotp.redistribute import entry_layout, gathers, plan_steps
 from autotp.solve.plan import NodePlan, Plan
 from autotp.solve.problem import (OUTPUT, deferred_parameters, output_layout, split_gradient_axes, use_target,
@@ -199,6 +199,8 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
     optimizer = {op.fqn: [mesh.names[a] for a in chosen[op.name].optimizer_axes]
                  for op in graph.nodes() if op.kind == KIND_PARAM and chosen[op.name].optimizer_axes}
     gradients = [op.fqn for op in graph.nodes() if op.kind == KIND_PARAM and chosen[op.name].gradient_split]
+    buffers = {op.fqn: layout_str(chosen[op.name].out) for op in graph.nodes()
+               if op.kind == KIND_BUFFER and not all(p == R for p in chosen[op.name].out)}
     return Plan(
         mesh=mesh, profile=profile.name, training=training, parameters=params, nodes=nodes,
         fallback_ops=dict(problem.strategies.fallback), collectives=collectives,
@@ -226,6 +228,7 @@ def assemble_plan(graph, problem, solution, mesh, profile, training, inputs: dic
         regather=list(solution.regather),
         micro_batches=k,
         io=io_layouts(graph, chosen, mesh, whole_outputs),
+        buffers=buffers,
     )
 
 

@@ -1,4 +1,4 @@
-"""Restrict the strategies the ILP may pick: pinned parameters and whole-plan styles.
+"""Restrict the strategies the ILP may pick: pinned parameters (and buffers) and whole-plan styles.
 
 Pins let a user (or a test, or a baseline) fix a parameter's placement and let
 the ILP choose the rest; a style filter keeps, for every op, only strategies of
@@ -8,7 +8,7 @@ one kind, which is how the all-replicated and data-parallel baselines are built.
 from __future__ import annotations
 
 from autotp.errors import PlanError
-from autotp.graph.opgraph import KIND_PARAM
+from autotp.graph.opgraph import KIND_BUFFER, KIND_PARAM
 from autotp.placement import Partial, Replicate, Shard, layout_str, parse_layout
 
 
@@ -32,7 +32,7 @@ def apply_constraints(graph, strategies, pin: dict | None, allow) -> None:
     An op that ``allow`` leaves with no strategy is replicated, unless the
     filter is marked ``strict`` (as `same_as` is): then that is an error.
     """
-    fqn_to_node = {op.fqn: op.name for op in graph.nodes() if op.kind == KIND_PARAM}
+    fqn_to_node = {op.fqn: op.name for op in graph.nodes() if op.kind in (KIND_PARAM, KIND_BUFFER)}
     for fqn, placements in (pin or {}).items():
         if fqn not in fqn_to_node:
             raise PlanError(f"pinned parameter {fqn!r} is not in the model; parameters are e.g. "

@@ -70,6 +70,8 @@ class Plan:
     micro_batches: int = 1
     # the kinds of all-gathered inputs ("weights", "activations") kept as shards and gathered again in backward
     regather: list[str] = field(default_factory=list)
+    # buffer -> its layout, for the buffers the plan splits (a key/value cache by kv-head); the others are whole
+    buffers: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -84,7 +86,7 @@ class Plan:
             "optimizer_sharding": {k: list(v) for k, v in self.optimizer_sharding.items()},
             "gradient_sharding": list(self.gradient_sharding),
             "recompute": list(self.recompute), "micro_batches": self.micro_batches,
-            "regather": list(self.regather),
+            "regather": list(self.regather), "buffers": {k: list(v) for k, v in self.buffers.items()},
         }
 
     def to_json(self) -> str:
@@ -111,6 +113,7 @@ class Plan:
             gradient_sharding=list(d.get("gradient_sharding") or []),
             recompute=list(d.get("recompute") or []), micro_batches=int(d.get("micro_batches", 1)),
             regather=list(d.get("regather") or []),
+            buffers={k: tuple(v) for k, v in (d.get("buffers") or {}).items()},
         )
 
     @classmethod
