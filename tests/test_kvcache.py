@@ -1,19 +1,20 @@
-"""Decoding with a key/value cache through rank modules: transformers' StaticCache held as buffers
-(`autotp.capture.kvcache`), captured, planned and run on 2 gloo ranks, gives the tokens of single-device
-``generate`` and its logits."""
+"""Generation with a key/value cache through rank programs: transformers' StaticCache held as buffers
+(`autotp.capture.kvcache`), a prefill and a decode step planned together (`autotp.decoding`) and run on 2 and 4
+gloo ranks, gives the tokens of single-device ``generate``, greedy and sampled, and the prefill's logits."""
 
 import pytest
 import torch
 
-import autotp
-from autotp.capture.kvcache import CachedDecoder, greedy
+from autotp.capture.kvcache import CachedDecoder
+from autotp.decoding import generate, parallelize_decoding, plan_decoding
 from autotp.runtime import spawn
 from conftest import weights_bound_profile
 
 transformers = pytest.importorskip("transformers")
 
-NEW_TOKENS, CACHE = 8, 16
-CASES = {  # name -> (config, batch): Mistral has one kv-head for two devices
+PROMPT, NEW_TOKENS = 4, 32
+SAMPLING = {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9}
+CASES = {  # name -> (config, batch): Llama has 2 kv-heads, Mistral 1, both fewer than 4 devices
     "llama": (lambda: transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                                max_position_embeddings=64), 2),
@@ -21,6 +22,9 @@ CASES = {  # name -> (config, batch): Mistral has one kv-head for two devices
                                                    num_attention_heads=4, num_key_value_heads=1, vocab_size=128,
                                                    max_position_embeddings=64, sliding_window=None), 1),
 }
+# Megatron's split of every layer: heads (q, k, v by rows, o by columns) and the MLP
+MEGATRON = {"self_attn.q_proj": "S(0)", "self_attn.k_proj": "S(0)", "self_attn.v_proj": "S(0)",
+            "self_attn.o_proj": "S(1)", "mlp.gate_proj": "S(0)", "mlp.up_proj": "S(0)", "mlp.down_proj": "S(1)"}
 
 
 def make(name: str):
@@ -28,7 +32,7 @@ def make(name: str):
     config, batch = CASES[name]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config()).eval()
-    prompt = torch.randint(0, 128, (batch, 4), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(0, 128, (batch, PROMPT), generator=torch.Generator().manual_seed(1))
     return model, prompt
 
 
@@ -40,53 +44,82 @@ def _logged(step, log: list):
     return run
 
 
-# Megatron's split of every layer: heads (q, k, v by rows, o by columns) and the MLP; the whole cache then takes
-# the keys and values gathered
-MEGATRON = {"self_attn.q_proj": "S(0)", "self_attn.k_proj": "S(0)", "self_attn.v_proj": "S(0)",
-            "self_attn.o_proj": "S(1)", "mlp.gate_proj": "S(0)", "mlp.up_proj": "S(0)", "mlp.down_proj": "S(1)"}
-
-
-def _decode(rank, world, plans):
+def _generate(rank, world, plans):
     out = {}
-    for (name, kind), plan in plans.items():
+    for (name, kind), decoding in plans.items():
         model, prompt = make(name)
-        local = autotp.parallelize(CachedDecoder(model, prompt.shape[0], CACHE), plan, rank=rank)
-        logits = []
+        local = parallelize_decoding(model, decoding, rank=rank)
+        prefill = []
         with torch.no_grad():
-            tokens = greedy(_logged(local, logits), prompt, NEW_TOKENS)
-        out[name, kind] = tokens.tolist(), torch.cat(logits, 1).tolist()  # plain lists cross the process boundary
+            greedy = generate(_logged(local.prefill, prefill), local.decode, prompt, model.generation_config,
+                              max_new_tokens=NEW_TOKENS)
+            torch.manual_seed(7)
+            sampled = local.generate(prompt, model.generation_config, max_new_tokens=NEW_TOKENS, **SAMPLING)
+        out[name, kind] = greedy.tolist(), sampled.tolist(), prefill[0].tolist()  # plain lists cross processes
     return out
 
 
-def test_greedy_decoding_with_a_static_cache_on_two_ranks_matches_generate():
-    plans, reference = {}, {}
+def _plans(world: int, kinds: tuple) -> dict:
+    plans = {}
     for name in CASES:
         model, prompt = make(name)
-        with torch.no_grad():
-            expected = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)[:, prompt.shape[1]:]
-            logits = []
-            tokens = greedy(_logged(CachedDecoder(model, prompt.shape[0], CACHE), logits), prompt, NEW_TOKENS)
-        assert tokens.tolist() == expected.tolist(), name  # the cached decoder is transformers' own decoding
-        reference[name] = tokens.tolist(), torch.cat(logits, 1)
-        step_inputs = (prompt[:, :1], torch.tensor([0]))
         megatron = {f"model.model.layers.{i}.{m}.weight": (layout,) for i in range(2) for m, layout in MEGATRON.items()}
         for kind, pin in (("ilp", None), ("megatron", megatron)):
-            plan = plans[name, kind] = autotp.plan(CachedDecoder(make(name)[0], prompt.shape[0], CACHE), 2,
-                                                   step_inputs, training=False, whole_outputs=True,
-                                                   profile=weights_bound_profile(), pin=pin)
-            assert any(p != "R" for n in plan.nodes.values() for p in n.out), (name, kind)  # the step really splits
-            assert any(c["phase"] == "forward" for c in plan.collectives), (name, kind)
-            assert not [op for op in plan.fallback_ops if op.startswith("index_copy")], (name, kind)  # understood
-            for i in range(2):  # each write takes the cache as it is laid out: in place, never a copy
-                assert plan.nodes[f"index_copy__{i}" if i else "index_copy_"].ins[0] == plan.nodes[f"cache_0_{('keys', 'values')[i]}"].out
-        assert plans[name, "megatron"].parameters["model.model.layers.1.self_attn.k_proj.weight"] == ("S(0)",)
-    # Llama's cache is split by kv-head as its keys and values are made, and written where they are: nothing moves
-    megatron = plans["llama", "megatron"]
-    assert {megatron.nodes[f"cache_{i}_{s}"].out for i in range(2) for s in ("keys", "values")} == {("S(1)",)}
-    assert not {c["node"] for c in megatron.collectives} & {"index_copy_", "index_copy__1", "index_copy__2"}
-    # Mistral's one kv-head cannot be split over two devices: its cache stays whole
-    assert plans["mistral", "megatron"].nodes["cache_0_keys"].out == ("R",)
-    for rank, out in enumerate(spawn(_decode, 2, plans)):
-        for (name, kind), (tokens, logits) in out.items():
-            assert tokens == reference[name][0], (name, kind, rank)
-            assert (torch.tensor(logits) - reference[name][1]).abs().max().item() <= 1e-5, (name, kind, rank)
+            if kind not in kinds:
+                continue
+            decoding = plans[name, kind] = plan_decoding(model, world, prompt.shape[0], PROMPT, PROMPT + NEW_TOKENS,
+                                                         profile=weights_bound_profile(), pin=pin)
+            for plan in (decoding.prefill, decoding.decode):
+                assert any(p != "R" for n in plan.nodes.values() for p in n.out), (name, kind)  # really splits
+                assert any(c["phase"] == "forward" for c in plan.collectives), (name, kind)
+                assert not [op for op in plan.fallback_ops if op.startswith("index_copy")], (name, kind)
+                for i, state in enumerate(("keys", "values")):  # each write takes the cache as laid out: in place
+                    write = plan.nodes["index_copy__1" if i else "index_copy_"]
+                    assert write.ins[0] == plan.nodes[f"cache_0_{state}"].out, (name, kind)
+            # one copy of the weights and of the cache: the prefill takes the decode step's layouts
+            assert decoding.prefill.parameters == decoding.decode.parameters, (name, kind)
+            assert decoding.prefill.buffers == decoding.decode.buffers, (name, kind)
+    return plans
+
+
+def _reference(name: str):
+    """Single-device ``generate``'s tokens, greedy and sampled, and the prefill's logits."""
+    model, prompt = make(name)
+    with torch.no_grad():
+        greedy = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+        torch.manual_seed(7)
+        sampled = model.generate(prompt, max_new_tokens=NEW_TOKENS, **SAMPLING)
+        step, prefill = CachedDecoder(model, prompt.shape[0], PROMPT + NEW_TOKENS), []
+        ours = generate(_logged(step, prefill), step, prompt, model.generation_config, max_new_tokens=NEW_TOKENS)
+    assert ours.tolist() == greedy.tolist(), name  # the cached decoder is transformers' own decoding
+    return greedy.tolist(), sampled.tolist(), prefill[0]
+
+
+@pytest.mark.parametrize("world, kinds", [(2, ("ilp", "megatron")), (4, ("ilp",))])  # 4 processes on 2 cores: one
+def test_generation_on_ranks_matches_single_device_generate(world, kinds):
+    plans = _plans(world, kinds)
+    if world == 2:  # Llama's 2 kv-heads: Megatron's cache is split by kv-head, written where the heads are made
+        megatron = plans["llama", "megatron"].decode
+        assert {megatron.buffers[f"cache_{i}_{s}"] for i in range(2) for s in ("keys", "values")} == {("S(1)",)}
+        assert not {c["node"] for c in megatron.collectives} & {"index_copy_", "index_copy__1"}
+    for kind in kinds:  # Mistral's one kv-head cannot be split (its positions or head dim may be)
+        assert ("S(1)",) not in plans["mistral", kind].decode.buffers.values()
+    reference = {name: _reference(name) for name in CASES}
+    for rank, out in enumerate(spawn(_generate, world, plans)):
+        for (name, kind), (greedy, sampled, prefill) in out.items():
+            assert greedy == reference[name][0], (name, kind, rank)
+            assert sampled == reference[name][1], (name, kind, rank)
+            assert (torch.tensor(prefill) - reference[name][2]).abs().max().item() <= 1e-5, (name, kind, rank)
+
+
+def test_a_prompt_of_another_length_than_planned_is_refused():
+    model, prompt = make("mistral")
+    plans = plan_decoding(model, 2, 1, PROMPT, PROMPT + 4, profile=weights_bound_profile())
+    with pytest.raises(Exception, match="planned for prompts of 4 tokens, not 3"):
+        generate(object(), object(), prompt[:, :3], max_new_tokens=2, prompt_length=plans.prompt_length)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(None, object(), prompt, max_new_tokens=0)
+    with pytest.raises(ValueError, match="give max_new_tokens"):
+        generate(None, object(), prompt)
+    with pytest.raises(Exception, match="below max_length"):
+        plan_decoding(model, 2, 1, PROMPT, PROMPT)

@@ -46,31 +46,22 @@ class CachedDecoder(nn.Module):
         self.cache.early_initialization(batch_size, heads, head_dim, weight.dtype, weight.device)
         for i, layer in enumerate(self.cache.layers):
             for name in _STATE:
-                self.register_buffer(f"cache_{i}_{name}", getattr(layer, name), persistent=False)  # state, not weights
+                self.register_buffer(f"{CACHE_PREFIX}{i}_{name}", getattr(layer, name),
+                                     persistent=False)  # state, not weights
+
+    def state_names(self) -> list[str]:
+        """The names of the cache's buffers."""
+        return [f"{CACHE_PREFIX}{i}_{name}" for i in range(len(self.cache.layers)) for name in _STATE]
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.cache.layers):  # the buffers as export (or a rank module) holds them now
             for name in _STATE:
-                setattr(layer, name, getattr(self, f"cache_{i}_{name}"))
+                setattr(layer, name, getattr(self, f"{CACHE_PREFIX}{i}_{name}"))
         out = self.model(input_ids=input_ids, cache_position=cache_position, use_cache=True,
                          **{self._cache_argument: self.cache})
         return out.logits
 
 
 _STATE = ("keys", "values", "cumulative_length")  # a StaticLayer's tensors
+CACHE_PREFIX = "cache_"  # the cache's buffers are cache_<layer>_<tensor>
 
-
-def greedy(step, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """The ``new_tokens`` tokens greedy decoding appends to ``prompt`` (rows of equal length), one position a
-    call of ``step`` (a `CachedDecoder` or its rank module, whose outputs are whole): prompt tokens are fed
-    one by one, as the decode step's shape is one token a row. A fresh step (an empty cache) for each prompt."""
-    if new_tokens < 1:
-        raise ValueError(f"new_tokens must be at least 1, not {new_tokens}")
-    out, token = [], None
-    for position in range(prompt.shape[1] + new_tokens - 1):
-        ids = prompt[:, position:position + 1] if position < prompt.shape[1] else token
-        logits = step(ids, torch.tensor([position], device=prompt.device))
-        if position >= prompt.shape[1] - 1:
-            token = logits[:, -1].argmax(-1, keepdim=True)
-            out.append(token)
-    return torch.cat(out, dim=1)
