@@ -16,8 +16,8 @@ from autotp.fileio import atomic_write_text
 from autotp.mesh import Mesh
 from autotp.placement import parse_layout
 
-PLAN_VERSION = 9  # 9: ZeRO-2 gradients summed every micro-batch (``each_micro_batch``); 8 added ``runtime["overlap_tp"]``; 7 ``regather``; 6 ``gradient_sharding``; 5 ``optimizer_sharding``, ``recompute`` and ``micro_batches``; 4 ``runtime`` and ``io``; 3 ``source`` and ``scopes``
-READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9)
+PLAN_VERSION = 10  # 10: ``buffers`` (split buffers: a key/value cache); 9: ZeRO-2 gradients summed every micro-batch (``each_micro_batch``); 8 added ``runtime["overlap_tp"]``; 7 ``regather``; 6 ``gradient_sharding``; 5 ``optimizer_sharding``, ``recompute`` and ``micro_batches``; 4 ``runtime`` and ``io``; 3 ``source`` and ``scopes``
+READABLE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10)
 # what plans made before version 4 mean: every output whole, gradient sums run where they are used
 LEGACY_RUNTIME = {"overlap_gradients": False, "bucket_bytes": 25 * 2**20, "whole_outputs": True}
 
