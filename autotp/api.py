@@ -64,9 +64,10 @@ AUTO = "auto"
 MEMORY_RESERVE = 0.05  # of the device's memory, kept back by the default limit: CUDA context, allocator, NCCL buffers
 
 
-def default_memory_limit(profile, training: bool) -> int | None:
-    """A training plan must fit the device: its memory less `MEMORY_RESERVE`. Inference plans have no default."""
-    return int(profile.device["memory_bytes"] * (1 - MEMORY_RESERVE)) if training else None
+def default_memory_limit(profile) -> int:
+    """A plan must fit the device: its memory less `MEMORY_RESERVE`. An inference plan's memory is its weights and
+    buffers (a key/value cache): served models are split to fit as trained ones are."""
+    return int(profile.device["memory_bytes"] * (1 - MEMORY_RESERVE))
 
 
 @collector_paused()
@@ -95,8 +96,9 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
       anything else is made whole; ``plan.io`` says each output's layout;
     * ``memory_limit`` (``"80GB"`` or bytes) bounds the predicted memory per
       device (parameters, gradients, Adam state and saved activations). The
-      default, ``"auto"``, is the profile's device memory less 5% for training
-      plans and none for inference; ``None`` lifts it. When nothing fits,
+      default, ``"auto"``, is the profile's device memory less 5% (an
+      inference plan counts its weights and buffers, such as a key/value
+      cache); ``None`` lifts it. When nothing fits,
       `MemoryLimitError` says the least any plan needs and which term dominates it;
     * ``precision`` is how the parameters are trained, for their memory:
       ``"fp32"``, ``"mixed"`` (bf16 weights, fp32 gradients, master weights
@@ -288,7 +290,7 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
                                     micro_batches, overlap_tp)
             if not regather:
                 problem.regather = {}
-    limit = (default_memory_limit(profile, training) if memory_limit == AUTO
+    limit = (default_memory_limit(profile) if memory_limit == AUTO
              else parse_bytes(memory_limit) if memory_limit is not None else None)
     with stages.stage("solving ILP") as stage:
         try:

@@ -343,8 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"profile name in cost_models/ or a path to a JSON profile (default {DEFAULT_PROFILE})")
     p.add_argument("--inference", action="store_true", help="plan the forward pass only")
     p.add_argument("--memory-limit", default="auto",
-                   help="per-device memory the plan must fit, e.g. 80GB; 'none' lifts it (default: the profile's "
-                        "device memory less 5%% for training, none for inference)")
+                   help="per-device memory the plan must fit, e.g. 80GB; 'none' lifts it (default: "
+                        "the device's memory less 5%%)")
     p.add_argument("--no-overlap-gradients", dest="overlap_gradients", action="store_false",
                    help="run data parallelism's gradient sums where they are used, not in buckets behind the "
                         "backward pass (as DDP does, the default)")

@@ -71,12 +71,13 @@ def plan_decoding(model, mesh, batch_size: int, prompt_length: int, max_length: 
         raise PlanError(f"the prompt length ({prompt_length}) must be at least 1 and below max_length "
                         f"({max_length}), which counts the prompt and the new tokens")
     options = {**options, "training": False, "whole_outputs": True}
-    decode = plan(CachedDecoder(model, batch_size, max_length), mesh, step_inputs(batch_size, 1, prompt_length),
-                  **options)
+    device = next(model.parameters()).device  # the meta device plans a model too large for this machine
+    decode = plan(CachedDecoder(model, batch_size, max_length), mesh,
+                  step_inputs(batch_size, 1, prompt_length, device), **options)
     whole = ("R",) * len(decode.mesh.shape)
     state = CachedDecoder(model, batch_size, max_length).state_names()
     pin = {**(options.get("pin") or {}), **decode.parameters, **{n: decode.buffers.get(n, whole) for n in state}}
-    prefill = plan(CachedDecoder(model, batch_size, max_length), mesh, step_inputs(batch_size, prompt_length),
+    prefill = plan(CachedDecoder(model, batch_size, max_length), mesh, step_inputs(batch_size, prompt_length, 0, device),
                    **{**options, "pin": pin})
     return DecodingPlans(prefill, decode, batch_size, prompt_length, max_length)
 
