@@ -84,6 +84,8 @@ def cmd_plan(args) -> int:
         spec, mesh, training = _spec_from_args(args), Mesh(args.mesh, links=args.links), not args.inference
         profile, saved = args.profile or DEFAULT_PROFILE, None
     load_profile(profile)  # a bad name fails here, before the model is built
+    if args.decode is not None:
+        return _plan_decoding(args, spec, mesh, profile, stages)
     with stages.stage(f"building {spec.model}"):
         model, inputs, kwargs = build(spec, meta=True, training=training)
     pins = _tp_plan_pins(args.tp_plan, model, mesh) if args.tp_plan else None
@@ -109,6 +111,34 @@ def cmd_plan(args) -> int:
     print(format_plan(result, baselines))
     print(f"planned in {result.stats['plan_s']:.2f} s (ILP solve {result.stats['solve_s']:.2f} s)")
     _write_outputs(args, result, model, inputs, kwargs, baselines, stages)
+    return 0
+
+
+def _plan_decoding(args, spec, mesh, profile, stages) -> int:
+    """``--decode L``: plan generation, a prefill of the example batch (``--batch`` prompts of ``--seq`` tokens)
+    and a decode step with a cache of L positions (`autotp.decoding`); print both plans and the per-token time."""
+    from autotp.decoding import plan_decoding
+
+    if not args.inference or spec.kind != "hf":
+        raise UsageError("--decode plans generation: give an hf: causal LM with --inference, e.g. "
+                         "autotp plan hf:llama --inference --batch 1 --seq 1024 --decode 4096 --mesh 8")
+    if args.json and not args.json.endswith(".json"):
+        raise UsageError(f"--json {args.json}: with --decode give a name ending in .json; the two plans are written "
+                         "beside it as NAME.prefill.json and NAME.decode.json")
+    with stages.stage(f"building {spec.model}"):
+        model, inputs, _ = build(spec, meta=True, training=False)
+    batch, prompt = inputs[0].shape
+    plans = plan_decoding(model, mesh, batch, prompt, args.decode, profile=profile, progress=stages,
+                          memory_limit=_memory_limit(args.memory_limit), overlap_tp=args.overlap_tp)
+    for name, result in (("prefill", plans.prefill), ("decode step", plans.decode)):
+        result.source = spec.to_source()
+        print(f"=== {name} ===\n{format_plan(result)}\n")
+    print(plans.summary())
+    if args.json:
+        for name, result in (("prefill", plans.prefill), ("decode", plans.decode)):
+            path = f"{args.json[:-len('.json')]}.{name}.json"
+            result.save(path)
+            print(f"{name} plan written to {path}")
     return 0
 
 
@@ -342,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None,
                    help=f"profile name in cost_models/ or a path to a JSON profile (default {DEFAULT_PROFILE})")
     p.add_argument("--inference", action="store_true", help="plan the forward pass only")
+    p.add_argument("--decode", type=int, default=None, metavar="L",
+                   help="with --inference, for an hf: causal LM: plan generation, the prefill of --batch prompts of "
+                        "--seq tokens and the decode step with a key/value cache of L positions (prompt and new "
+                        "tokens), and print both plans and the predicted time per token")
     p.add_argument("--memory-limit", default="auto",
                    help="per-device memory the plan must fit, e.g. 80GB; 'none' lifts it (default: "
                         "the device's memory less 5%%)")

@@ -27,7 +27,8 @@ What runs small, and what is left out:
   baselines), and tests/test_report.py runs that command's path on a small
   Llama. Here the CLI's own parser reads its command line, so a flag it
   passes that the CLI no longer takes fails;
-- ``moe_plans.py``: Mixtral-8x7B with 1 of its 32 layers;
+- ``moe_plans.py``: Mixtral-8x7B with 1 of its 32 layers; ``decode_70b.py``:
+  2 of the 80 layers, a 128-position cache, two of its three cases;
 - ``shapes.py`` is a helper, run here through big_plans, fit_70b and
   layer_scaling;
 - ``gpu_check.py`` (for a machine with GPUs) runs on CPU under torchrun with
@@ -50,6 +51,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import baselines  # noqa: E402
 import big_plans  # noqa: E402
 import cost_fidelity  # noqa: E402
+import decode_70b  # noqa: E402
 import fit_70b  # noqa: E402
 import fuzz  # noqa: E402
 import hf_models  # noqa: E402  (examples/, on the path through conftest)
@@ -166,6 +168,16 @@ def test_fit_70b_one_node_with_two_layers_against_megatron(capsys):
     ratio = re.search(r"autotp / megatron-sp = ([\d.]+)", out)
     assert ratio and float(ratio.group(1)) <= 1.0
     assert "FSDP (ZeRO-3 over every device, one micro-batch a step): n/a" in out  # a batch of 1 over 8 devices
+
+
+def test_decode_70b_two_layers_no_slower_per_token_than_megatron(capsys):
+    decode_70b.main(["--layers", "2", "--only", "8-1,2x4-1", "--prompt", "64", "--max-length", "128"])
+    rows = tables(capsys.readouterr().out)[0]
+    assert [r["case"] for r in rows] == ["mesh 8 (nvlink), batch 1", "mesh 2x4 (infiniband,nvlink), batch 1"]
+    for r in rows:
+        assert float(r["autotp/megatron"]) <= 1.0 + 1e-9, r
+        assert 0 < float(r["decode ms/token"]) < float(r["prefill ms"]), r
+        assert r["cache layout"] != "whole", r  # the kv-heads divide: the cache is split
 
 
 def test_moe_plans_one_layer_the_ilp_no_slower_than_any_way_of_splitting_experts(capsys):

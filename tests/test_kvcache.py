@@ -2,9 +2,14 @@
 (`autotp.capture.kvcache`), a prefill and a decode step planned together (`autotp.decoding`) and run on 2 and 4
 gloo ranks, gives the tokens of single-device ``generate``, greedy and sampled, and the prefill's logits."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from autotp import Plan
 from autotp.capture.kvcache import CachedDecoder
 from autotp.decoding import generate, parallelize_decoding, plan_decoding
 from autotp.runtime import spawn
@@ -123,3 +128,41 @@ def test_a_prompt_of_another_length_than_planned_is_refused():
         generate(None, object(), prompt)
     with pytest.raises(Exception, match="below max_length"):
         plan_decoding(model, 2, 1, PROMPT, PROMPT)
+
+
+def test_a_decode_step_on_slow_links_splits_less():
+    """One row a step on links whose every message costs 10 ms: no collective pays for itself, so the decode step
+    runs whole on each device; on the fast links of the other tests the same step splits (above)."""
+    model, prompt = make("llama")
+    slow = weights_bound_profile()
+    for link in slow["links"].values():
+        link["latency_s"] = 1e-2
+    fast = plan_decoding(model, 2, 1, PROMPT, PROMPT + 4, profile=weights_bound_profile())
+    plans = plan_decoding(model, 2, 1, PROMPT, PROMPT + 4, profile=slow)
+    assert fast.decode.forward_collectives()
+    assert not plans.decode.forward_collectives() and not plans.prefill.forward_collectives()
+    assert plans.decode.predicted["total_s"] < fast.decode.predicted["total_s"] + 1e-2  # not one message's worth
+
+
+def test_the_serving_example_generates_the_tokens_of_generate():
+    root = Path(__file__).parents[1]
+    run = subprocess.run([sys.executable, str(root / "examples" / "serve.py")], cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert run.stdout.count("the tokens of model.generate") == 2, run.stdout[-2000:]
+    assert "decode: " in run.stdout and "ms predicted per token" in run.stdout
+
+
+def test_the_cli_plans_generation_and_writes_both_plans(tmp_path, capsys):
+    from autotp.cli import EXIT_USAGE, main
+
+    out = tmp_path / "llama.json"
+    assert main(["plan", "hf:llama", "--layers", "2", "--hidden", "256", "--heads", "8", "--kv-heads", "4",
+                 "--vocab", "512", "--batch", "2", "--seq", "16", "--inference", "--decode", "64", "--mesh", "4",
+                 "--json", str(out), "--quiet"]) == 0
+    prefill, decode = (Plan.load(tmp_path / f"llama.{name}.json") for name in ("prefill", "decode"))
+    assert prefill.inputs["args"][0]["shape"] == [2, 16] and decode.inputs["args"][0]["shape"] == [2, 1]
+    assert prefill.parameters == decode.parameters and prefill.buffers == decode.buffers
+    assert "ms predicted per token" in capsys.readouterr().out
+    assert main(["plan", "hf:llama", "--layers", "2", "--decode", "64", "--mesh", "2", "--quiet"]) == EXIT_USAGE
+    assert "--decode plans generation: give an hf: causal LM with --inference" in capsys.readouterr().err
