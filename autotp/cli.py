@@ -122,6 +122,12 @@ def _plan_decoding(args, spec, mesh, profile, stages) -> int:
     if not args.inference or spec.kind != "hf":
         raise UsageError("--decode plans generation: give an hf: causal LM with --inference, e.g. "
                          "autotp plan hf:llama --inference --batch 1 --seq 1024 --decode 4096 --mesh 8")
+    unsupported = [flag for flag, value in (("--tp-plan", args.tp_plan), ("--svg", args.svg), ("--chart", args.chart),
+                                            ("--export-tp-plan", args.export_tp_plan),
+                                            ("--export-dtensor", args.export_dtensor)) if value]
+    if unsupported:
+        raise UsageError(f"{', '.join(unsupported)} cannot be combined with --decode yet: drop them, or plan "
+                         "without --decode")
     if args.json and not args.json.endswith(".json"):
         raise UsageError(f"--json {args.json}: with --decode give a name ending in .json; the two plans are written "
                          "beside it as NAME.prefill.json and NAME.decode.json")

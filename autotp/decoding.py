@@ -110,15 +110,17 @@ def parallelize_decoding(model, plans: DecodingPlans, rank: int | None = None, *
         device_mesh = plan_device_mesh(plans.decode.mesh, _mesh_device_type(options.get("device"), model))
     steps = [parallelize(CachedDecoder(model, plans.batch_size, plans.max_length), p, rank, device_mesh=device_mesh,
                          **options) for p in (plans.prefill, plans.decode)]
-    share_state(*steps)
+    alike = {n for n, layout in plans.decode.parameters.items() if plans.prefill.parameters.get(n) == layout}
+    share_state(*steps, alike)
     return RankDecoder(*steps, plans.prompt_length)
 
 
-def share_state(source: torch.nn.Module, target: torch.nn.Module) -> None:
-    """Bind ``target``'s parameters and cache buffers to ``source``'s tensors of the same name and shape."""
+def share_state(source: torch.nn.Module, target: torch.nn.Module, parameters=frozenset()) -> None:
+    """Bind ``target``'s cache buffers, and those of its ``parameters`` (names laid out alike in both plans), to
+    ``source``'s tensors of the same name."""
     params = dict(source.named_parameters())
     for name, param in list(target.named_parameters()):
-        if name in params and params[name].shape == param.shape:
+        if name in parameters and name in params and params[name].shape == param.shape:
             _set(target, name, params[name], "_parameters")
     buffers = dict(source.named_buffers())
     for name, buffer in list(target.named_buffers()):

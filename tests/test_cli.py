@@ -143,7 +143,7 @@ def test_the_set_of_flags_is_pinned():
              for name, p in sub.choices.items()}
     hf = ["--batch", "--config", "--ffn", "--heads", "--hidden", "--kv-heads", "--layers", "--seq", "--vocab"]
     assert flags == {
-        "plan": sorted(["--bucket-cap-mb", "--export-dtensor", "--export-tp-plan", "--inference", "--json", "--links",
+        "plan": sorted(["--bucket-cap-mb", "--decode", "--export-dtensor", "--export-tp-plan", "--inference", "--json", "--links",
                         "--memory-limit", "--mesh", "--micro-batches", "--no-baselines", "--no-optimizer-sharding",
                         "--no-overlap-gradients", "--no-overlap-tp", "--no-recompute", "--no-regather", "--chart",
                         "--precision", "--profile", "--quiet", "--recompute-layers", "--svg", "--tp-plan",

@@ -166,3 +166,6 @@ def test_the_cli_plans_generation_and_writes_both_plans(tmp_path, capsys):
     assert "ms predicted per token" in capsys.readouterr().out
     assert main(["plan", "hf:llama", "--layers", "2", "--decode", "64", "--mesh", "2", "--quiet"]) == EXIT_USAGE
     assert "--decode plans generation: give an hf: causal LM with --inference" in capsys.readouterr().err
+    assert main(["plan", "hf:llama", "--layers", "2", "--inference", "--decode", "64", "--mesh", "2", "--svg", "x.svg",
+                 "--quiet"]) == EXIT_USAGE
+    assert "--svg cannot be combined with --decode" in capsys.readouterr().err
