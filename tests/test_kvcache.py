@@ -100,7 +100,8 @@ def _reference(name: str):
     return greedy.tolist(), sampled.tolist(), prefill[0]
 
 
-@pytest.mark.parametrize("world, kinds", [(2, ("ilp", "megatron")), (4, ("ilp",))])  # 4 processes on 2 cores: one
+# 2 ranks: Megatron's split (Llama's cache split by kv-head, Mistral's whole beside split heads); 4: the ILP's plans
+@pytest.mark.parametrize("world, kinds", [(2, ("megatron",)), (4, ("ilp",))])
 def test_generation_on_ranks_matches_single_device_generate(world, kinds):
     plans = _plans(world, kinds)
     if world == 2:  # Llama's 2 kv-heads: Megatron's cache is split by kv-head, written where the heads are made
