@@ -72,13 +72,12 @@ def plan_decoding(model, mesh, batch_size: int, prompt_length: int, max_length: 
                         f"({max_length}), which counts the prompt and the new tokens")
     options = {**options, "training": False, "whole_outputs": True}
     device = next(model.parameters()).device  # the meta device plans a model too large for this machine
-    decode = plan(CachedDecoder(model, batch_size, max_length), mesh,
-                  step_inputs(batch_size, 1, prompt_length, device), **options)
+    step = CachedDecoder(model, batch_size, max_length)  # one cache allocated, for both captures
+    decode = plan(step, mesh, step_inputs(batch_size, 1, prompt_length, device), **options)
     whole = ("R",) * len(decode.mesh.shape)
-    state = CachedDecoder(model, batch_size, max_length).state_names()
-    pin = {**(options.get("pin") or {}), **decode.parameters, **{n: decode.buffers.get(n, whole) for n in state}}
-    prefill = plan(CachedDecoder(model, batch_size, max_length), mesh, step_inputs(batch_size, prompt_length, 0, device),
-                   **{**options, "pin": pin})
+    pin = {**(options.get("pin") or {}), **decode.parameters,
+           **{n: decode.buffers.get(n, whole) for n in step.state_names()}}
+    prefill = plan(step, mesh, step_inputs(batch_size, prompt_length, 0, device), **{**options, "pin": pin})
     return DecodingPlans(prefill, decode, batch_size, prompt_length, max_length)
 
 
@@ -108,8 +107,8 @@ def parallelize_decoding(model, plans: DecodingPlans, rank: int | None = None, *
 
     if device_mesh is None and options.get("groups") is None:  # one set of process groups for both programs
         device_mesh = plan_device_mesh(plans.decode.mesh, _mesh_device_type(options.get("device"), model))
-    steps = [parallelize(CachedDecoder(model, plans.batch_size, plans.max_length), p, rank, device_mesh=device_mesh,
-                         **options) for p in (plans.prefill, plans.decode)]
+    step = CachedDecoder(model, plans.batch_size, plans.max_length)  # one whole cache, cut into each program's piece
+    steps = [parallelize(step, p, rank, device_mesh=device_mesh, **options) for p in (plans.prefill, plans.decode)]
     alike = {n for n, layout in plans.decode.parameters.items() if plans.prefill.parameters.get(n) == layout}
     share_state(*steps, alike)
     return RankDecoder(*steps, plans.prompt_length)
