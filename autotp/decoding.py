@@ -24,6 +24,7 @@ import torch
 
 from autotp.capture.kvcache import CACHE_PREFIX, CachedDecoder
 from autotp.errors import PlanError
+from autotp.lower.rewrite import set_module_tensor
 from autotp.solve.plan import Plan
 from autotp.units import format_bytes
 
@@ -120,23 +121,18 @@ def share_state(source: torch.nn.Module, target: torch.nn.Module, parameters=fro
     params = dict(source.named_parameters())
     for name, param in list(target.named_parameters()):
         if name in parameters and name in params and params[name].shape == param.shape:
-            _set(target, name, params[name], "_parameters")
+            set_module_tensor(target, name, params[name])
     buffers = dict(source.named_buffers())
     for name, buffer in list(target.named_buffers()):
         if _leaf(name).startswith(CACHE_PREFIX):
             if name not in buffers or buffers[name].shape != buffer.shape:
                 raise PlanError(f"the prefill and decode programs hold cache buffer {name!r} in different layouts: "
                                 "plan them together with autotp.decoding.plan_decoding")
-            _set(target, name, buffers[name], "_buffers")
+            set_module_tensor(target, name, buffers[name])
 
 
 def _leaf(name: str) -> str:
     return name.rpartition(".")[2]
-
-
-def _set(module: torch.nn.Module, name: str, value, table: str) -> None:
-    owner, _, leaf = name.rpartition(".")
-    getattr(module.get_submodule(owner) if owner else module, table)[leaf] = value
 
 
 def reset_cache(*steps: torch.nn.Module) -> None:

@@ -55,10 +55,10 @@ def shard_tensor(full: torch.Tensor, layout, mesh_shape, coords) -> torch.Tensor
     return cut_piece(full, shard_cuts(layout, mesh_shape, coords)).detach().clone()
 
 
-def _set_param(gm: fx.GraphModule, fqn: str, param: torch.nn.Parameter) -> None:
+def set_module_tensor(module: torch.nn.Module, fqn: str, value: torch.Tensor) -> None:
+    """Put ``value`` where ``fqn`` names a parameter or buffer of ``module`` (it stays one or the other)."""
     owner_name, _, leaf = fqn.rpartition(".")
-    owner = gm.get_submodule(owner_name) if owner_name else gm
-    setattr(owner, leaf, param)
+    setattr(module.get_submodule(owner_name) if owner_name else module, leaf, value)
 
 
 def parameter_aliases(module: torch.nn.Module) -> list[tuple[list[str], torch.nn.Parameter]]:
@@ -236,11 +236,12 @@ def _shard_buffers(gm: fx.GraphModule, plan, coords) -> None:
     between calls; every other buffer stays whole.
     """
     for fqn, layout in plan.buffers.items():
-        owner_name, _, leaf = fqn.rpartition(".")
-        owner = gm.get_submodule(owner_name) if owner_name else gm
-        if leaf not in owner._buffers:
-            raise PlanError(f"the plan splits buffer {fqn!r}, which the model does not have: re-plan this model")
-        owner._buffers[leaf] = shard_tensor(owner._buffers[leaf], parse_layout(layout), plan.mesh.shape, coords)
+        try:
+            whole = gm.get_buffer(fqn)
+        except AttributeError:
+            raise PlanError(f"the plan splits buffer {fqn!r}, which the model does not have: "
+                            "re-plan this model") from None
+        set_module_tensor(gm, fqn, shard_tensor(whole, parse_layout(layout), plan.mesh.shape, coords))
 
 
 def _node_plan(plan, node: fx.Node):
@@ -350,7 +351,7 @@ def lower(gm: fx.GraphModule, plan, rank: int, groups=None, *, graph=None, batch
         if device_mesh is not None:
             local = as_dtensor_parameter(local, layout, device_mesh, plan.mesh.shape)
         for name in names:  # tied weights stay one parameter
-            _set_param(gm, name, local)
+            set_module_tensor(gm, name, local)
         axes = plan.optimizer_sharding.get(planned[0])
         if axes and param.requires_grad:
             optimizer_shards.append((local, low.axes_comm(tuple(plan.mesh.names.index(a) for a in axes))))
