@@ -57,10 +57,13 @@ def _cache_layouts(plan: Plan) -> str:
     return ", ".join(split) or "whole on every device"
 
 
-def step_inputs(batch_size: int, length: int, start: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Example inputs of a step: ``length`` tokens a row, at positions ``start, start + 1, ...``."""
+def step_inputs(batch_size: int, length: int, max_length: int, start: int = 0, device=None) -> tuple:
+    """Example inputs of a `CachedDecoder` step: ``length`` tokens a row at cache slots ``start, start + 1, ...``,
+    no padding, a cache of ``max_length`` slots."""
     ids = torch.zeros(batch_size, length, dtype=torch.long, device=device)
-    return ids, torch.arange(start, start + length, device=device)
+    slots = torch.arange(start, start + length, device=device)
+    mask = torch.ones(batch_size, max_length, dtype=torch.long, device=device)
+    return ids, slots, mask, slots.expand(batch_size, length).clone()
 
 
 def plan_decoding(model, mesh, batch_size: int, prompt_length: int, max_length: int, **options) -> DecodingPlans:
@@ -74,11 +77,12 @@ def plan_decoding(model, mesh, batch_size: int, prompt_length: int, max_length: 
     options = {**options, "training": False, "whole_outputs": True}
     device = next(model.parameters()).device  # the meta device plans a model too large for this machine
     step = CachedDecoder(model, batch_size, max_length)  # one cache allocated, for both captures
-    decode = plan(step, mesh, step_inputs(batch_size, 1, prompt_length, device), **options)
+    decode = plan(step, mesh, step_inputs(batch_size, 1, max_length, prompt_length, device), **options)
     whole = ("R",) * len(decode.mesh.shape)
     pin = {**(options.get("pin") or {}), **decode.parameters,
            **{n: decode.buffers.get(n, whole) for n in step.state_names()}}
-    prefill = plan(step, mesh, step_inputs(batch_size, prompt_length, 0, device), **{**options, "pin": pin})
+    prefill = plan(step, mesh, step_inputs(batch_size, prompt_length, max_length, 0, device),
+                   **{**options, "pin": pin})
     return DecodingPlans(prefill, decode, batch_size, prompt_length, max_length)
 
 
@@ -89,10 +93,11 @@ class RankDecoder:
     prefill: torch.nn.Module
     decode: torch.nn.Module
     prompt_length: int
+    max_length: int
 
     def generate(self, input_ids: torch.Tensor, generation_config=None, **kwargs) -> torch.Tensor:
         return generate(self.prefill, self.decode, input_ids, generation_config, prompt_length=self.prompt_length,
-                        **kwargs)
+                        max_length=self.max_length, **kwargs)
 
 
 def parallelize_decoding(model, plans: DecodingPlans, rank: int | None = None, *, device_mesh=None,
@@ -112,7 +117,7 @@ def parallelize_decoding(model, plans: DecodingPlans, rank: int | None = None, *
     steps = [parallelize(step, p, rank, device_mesh=device_mesh, **options) for p in (plans.prefill, plans.decode)]
     alike = {n for n, layout in plans.decode.parameters.items() if plans.prefill.parameters.get(n) == layout}
     share_state(*steps, alike)
-    return RankDecoder(*steps, plans.prompt_length)
+    return RankDecoder(*steps, plans.prompt_length, plans.max_length)
 
 
 def share_state(source: torch.nn.Module, target: torch.nn.Module, parameters=frozenset()) -> None:
@@ -146,19 +151,23 @@ def reset_cache(*steps: torch.nn.Module) -> None:
                 buffer.zero_()
 
 
-def generate(prefill, decode, input_ids: torch.Tensor, generation_config=None, *, prompt_length: int | None = None,
-             **kwargs) -> torch.Tensor:
+def generate(prefill, decode, input_ids: torch.Tensor, generation_config=None, *, attention_mask=None,
+             prompt_length: int | None = None, max_length: int | None = None, **kwargs) -> torch.Tensor:
     """The prompt and its continuation, as transformers' ``generate`` returns them, one row per prompt.
 
     ``prefill`` fills the cache from the whole prompt in one call, or, when
-    None, ``decode`` takes the prompt one token at a time. Settings come from
-    ``generation_config`` (transformers' ``GenerationConfig``, e.g. the
-    model's ``generation_config``) updated by ``kwargs``: ``max_new_tokens``,
-    ``do_sample`` with ``temperature``, ``top_k`` and ``top_p`` (transformers'
-    warpers, in its order), ``eos_token_id`` (a row that produced it gets
-    ``pad_token_id`` after, and generation stops when every row has). Sampling
-    draws from torch's global generator, as ``generate`` does. The cache is
-    emptied first.
+    None, ``decode`` takes the prompt one token at a time. Prompts of
+    different lengths come left-padded with their ``attention_mask`` (0 at
+    padding), as transformers takes them; each row's positions then count
+    from its first real token. Settings come from ``generation_config``
+    (transformers' ``GenerationConfig``, e.g. the model's
+    ``generation_config``) updated by ``kwargs``: ``max_new_tokens``,
+    ``do_sample`` with ``temperature``, ``top_k`` and ``top_p``
+    (transformers' warpers, in its order), ``eos_token_id`` (a row that
+    produced it gets ``pad_token_id`` after, and generation stops when every
+    row has). Sampling draws from torch's global generator, as ``generate``
+    does. The cache (``max_length`` slots, read from the steps' cache
+    buffers when not given) is emptied first.
     """
     from transformers import GenerationConfig
 
@@ -166,17 +175,28 @@ def generate(prefill, decode, input_ids: torch.Tensor, generation_config=None, *
     new_tokens = config.max_new_tokens  # transformers' config refuses a count below 1
     if new_tokens is None:
         raise ValueError("give max_new_tokens, the number of tokens to generate after the prompt")
-    if prefill is not None and prompt_length is not None and input_ids.shape[1] != prompt_length:
-        raise PlanError(f"the prefill step was planned for prompts of {prompt_length} tokens, not "
-                        f"{input_ids.shape[1]}: plan it for this length (autotp.decoding.plan_decoding)")
-    reset_cache(*{id(s): s for s in (prefill, decode) if s is not None}.values())
+    rows, length = input_ids.shape
+    if prefill is not None and prompt_length is not None and length != prompt_length:
+        raise PlanError(f"the prefill step was planned for prompts of {prompt_length} tokens, not {length}: plan "
+                        "it for this length (autotp.decoding.plan_decoding), or left-pad the prompts to it")
+    steps = list({id(s): s for s in (prefill, decode) if s is not None}.values())
+    max_length = max_length or _cache_length(steps)
+    if length + new_tokens - 1 > max_length:
+        raise PlanError(f"{length} prompt tokens and {new_tokens} new ones do not fit a cache of {max_length} "
+                        f"slots (the last token is not fed back): ask for at most {max_length - length + 1} new "
+                        "tokens, or plan a longer cache (max_length)")
+    reset_cache(*steps)
     warp = _warpers(config) if config.do_sample else None
     eos = _token_ids(config.eos_token_id)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-    rows, length = input_ids.shape
-    unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
+    device = input_ids.device
+    if attention_mask is None:
+        attention_mask = torch.ones(rows, length, dtype=torch.long, device=device)
+    mask = torch.cat([attention_mask.long(), attention_mask.new_ones(rows, max_length - length)], dim=1)
+    positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # as transformers
+    unfinished = torch.ones(rows, dtype=torch.long, device=device)
     sequences = input_ids
-    logits = _fill(prefill, decode, input_ids)
+    logits = _fill(prefill, decode, input_ids, mask, positions)
     for t in range(new_tokens):
         scores = logits[:, -1].to(torch.float32)
         if warp is not None:
@@ -187,21 +207,33 @@ def generate(prefill, decode, input_ids: torch.Tensor, generation_config=None, *
             token = token * unfinished + pad * (1 - unfinished)
         sequences = torch.cat([sequences, token[:, None]], dim=-1)
         if eos:
-            unfinished = unfinished & ~torch.isin(token, torch.tensor(eos, device=token.device))
+            unfinished = unfinished & ~torch.isin(token, torch.tensor(eos, device=device))
             if unfinished.max() == 0:
                 break
         if t + 1 < new_tokens:
-            logits = decode(token[:, None], torch.tensor([length + t], device=input_ids.device))
+            logits = decode(token[:, None], torch.tensor([length + t], device=device), mask,
+                            positions[:, -1:] + t + 1)
     return sequences
 
 
-def _fill(prefill, decode, prompt: torch.Tensor) -> torch.Tensor:
+def _fill(prefill, decode, prompt: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The cache filled with ``prompt``; the logits of its last position."""
     if prefill is not None:
-        return prefill(prompt, torch.arange(prompt.shape[1], device=prompt.device))
-    for position in range(prompt.shape[1]):
-        logits = decode(prompt[:, position:position + 1], torch.tensor([position], device=prompt.device))
+        return prefill(prompt, torch.arange(prompt.shape[1], device=prompt.device), mask, positions)
+    for i in range(prompt.shape[1]):
+        logits = decode(prompt[:, i:i + 1], torch.tensor([i], device=prompt.device), mask, positions[:, i:i + 1])
     return logits
+
+
+def _cache_length(steps) -> int:
+    """The cache's slots, read from a step's key buffer (``[batch, heads, slots, head_dim]``, never split on its
+    slots: `autotp.strategies.inplace`)."""
+    for step in steps:
+        if isinstance(step, torch.nn.Module):
+            for name, buffer in step.named_buffers():
+                if _leaf(name).startswith(CACHE_PREFIX) and name.endswith("_keys"):
+                    return buffer.shape[-2]
+    raise PlanError("no step holds a key/value cache: pass max_length, the cache's slots")
 
 
 def _token_ids(ids) -> list[int]:

@@ -33,17 +33,21 @@ MEGATRON = {"self_attn.q_proj": "S(0)", "self_attn.k_proj": "S(0)", "self_attn.v
 
 
 def make(name: str):
-    """The model, in eval mode, and its prompts: the same on every call and so on every rank."""
+    """The model, in eval mode, its prompts and their attention mask: the same on every call and so on every rank.
+    Llama's first prompt is one token shorter than the second, left-padded as transformers takes a batch."""
     config, batch = CASES[name]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config()).eval()
-    prompt = torch.randint(0, 128, (batch, PROMPT), generator=torch.Generator().manual_seed(1))
-    return model, prompt
+    prompt = torch.randint(1, 128, (batch, PROMPT), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(prompt)
+    if batch > 1:
+        mask[0, 0] = prompt[0, 0] = 0
+    return model, prompt, mask
 
 
 def _logged(step, log: list):
-    def run(ids, position):
-        logits = step(ids, position)
+    def run(*inputs):
+        logits = step(*inputs)
         log.append(logits.detach())
         return logits
     return run
@@ -52,14 +56,15 @@ def _logged(step, log: list):
 def _generate(rank, world, plans):
     out = {}
     for (name, kind), decoding in plans.items():
-        model, prompt = make(name)
+        model, prompt, mask = make(name)
         local = parallelize_decoding(model, decoding, rank=rank)
         prefill = []
         with torch.no_grad():
             greedy = generate(_logged(local.prefill, prefill), local.decode, prompt, model.generation_config,
-                              max_new_tokens=NEW_TOKENS)
+                              attention_mask=mask, max_new_tokens=NEW_TOKENS)
             torch.manual_seed(7)
-            sampled = local.generate(prompt, model.generation_config, max_new_tokens=NEW_TOKENS, **SAMPLING)
+            sampled = local.generate(prompt, model.generation_config, attention_mask=mask,
+                                     max_new_tokens=NEW_TOKENS, **SAMPLING)
         out[name, kind] = greedy.tolist(), sampled.tolist(), prefill[0].tolist()  # plain lists cross processes
     return out
 
@@ -67,7 +72,7 @@ def _generate(rank, world, plans):
 def _plans(world: int, kinds: tuple) -> dict:
     plans = {}
     for name in CASES:
-        model, prompt = make(name)
+        model, prompt, _ = make(name)
         megatron = {f"model.model.layers.{i}.{m}.weight": (layout,) for i in range(2) for m, layout in MEGATRON.items()}
         for kind, pin in (("ilp", None), ("megatron", megatron)):
             if kind not in kinds:
@@ -89,14 +94,19 @@ def _plans(world: int, kinds: tuple) -> dict:
 
 def _reference(name: str):
     """Single-device ``generate``'s tokens, greedy and sampled, and the prefill's logits."""
-    model, prompt = make(name)
+    model, prompt, mask = make(name)
     with torch.no_grad():
-        greedy = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+        greedy = model.generate(prompt, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
         torch.manual_seed(7)
-        sampled = model.generate(prompt, max_new_tokens=NEW_TOKENS, **SAMPLING)
+        sampled = model.generate(prompt, attention_mask=mask, max_new_tokens=NEW_TOKENS, **SAMPLING)
         step, prefill = CachedDecoder(model, prompt.shape[0], PROMPT + NEW_TOKENS), []
-        ours = generate(_logged(step, prefill), step, prompt, model.generation_config, max_new_tokens=NEW_TOKENS)
-    assert ours.tolist() == greedy.tolist(), name  # the cached decoder is transformers' own decoding
+        ours = generate(_logged(step, prefill), step, prompt, model.generation_config, attention_mask=mask,
+                        max_new_tokens=NEW_TOKENS)
+        torch.manual_seed(7)
+        ours_sampled = generate(step, step, prompt, model.generation_config, attention_mask=mask,
+                                max_new_tokens=NEW_TOKENS, **SAMPLING)
+    # the cached decoder is transformers' own decoding, padding and sampling included
+    assert ours.tolist() == greedy.tolist() and ours_sampled.tolist() == sampled.tolist(), name
     return greedy.tolist(), sampled.tolist(), prefill[0]
 
 
@@ -119,7 +129,7 @@ def test_generation_on_ranks_matches_single_device_generate(world, kinds):
 
 
 def test_a_prompt_of_another_length_than_planned_is_refused():
-    model, prompt = make("mistral")
+    model, prompt, _ = make("mistral")
     plans = plan_decoding(model, 2, 1, PROMPT, PROMPT + 4, profile=weights_bound_profile())
     with pytest.raises(Exception, match="planned for prompts of 4 tokens, not 3"):
         generate(object(), object(), prompt[:, :3], max_new_tokens=2, prompt_length=plans.prompt_length)
@@ -127,6 +137,8 @@ def test_a_prompt_of_another_length_than_planned_is_refused():
         generate(None, object(), prompt, max_new_tokens=0)
     with pytest.raises(ValueError, match="give max_new_tokens"):
         generate(None, object(), prompt)
+    with pytest.raises(Exception, match="do not fit a cache of 8 slots.*at most 5 new tokens"):
+        generate(None, object(), prompt, max_new_tokens=6, max_length=8)
     with pytest.raises(Exception, match="below max_length"):
         plan_decoding(model, 2, 1, PROMPT, PROMPT)
 
@@ -134,7 +146,7 @@ def test_a_prompt_of_another_length_than_planned_is_refused():
 def test_a_decode_step_on_slow_links_splits_less():
     """One row a step on links whose every message costs 10 ms: no collective pays for itself, so the decode step
     runs whole on each device; on the fast links of the other tests the same step splits (above)."""
-    model, prompt = make("llama")
+    model, prompt, _ = make("llama")
     slow = weights_bound_profile()
     for link in slow["links"].values():
         link["latency_s"] = 1e-2

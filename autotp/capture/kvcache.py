@@ -27,8 +27,18 @@ from torch import nn
 
 
 class CachedDecoder(nn.Module):
-    """``decoder(input_ids, cache_position) -> logits``: one step of a transformers causal LM (prompt tokens or
-    one new token a row), its cache of ``max_cache_len`` positions kept in buffers between calls."""
+    """``decoder(input_ids, cache_position, attention_mask, position_ids) -> logits``: one step of a transformers
+    causal LM (prompt tokens or one new token a row), its cache of ``max_cache_len`` positions kept in buffers
+    between calls.
+
+    ``cache_position`` (``[len]``) says which cache slots the step writes;
+    ``attention_mask`` (``[batch, max_cache_len]``, 0 at a padding slot, 1
+    elsewhere) lets rows of a batch start at different slots, as a
+    left-padded batch of prompts does; ``position_ids`` (``[batch, len]``)
+    are each row's positions, which count from its first real token
+    (`autotp.decoding.step_inputs` makes all four). Every step takes the
+    mask, so one plan serves padded and unpadded batches alike.
+    """
 
     def __init__(self, model: nn.Module, batch_size: int, max_cache_len: int):
         super().__init__()
@@ -53,12 +63,13 @@ class CachedDecoder(nn.Module):
         """The names of the cache's buffers."""
         return [f"{CACHE_PREFIX}{i}_{name}" for i in range(len(self.cache.layers)) for name in _STATE]
 
-    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.cache.layers):  # the buffers as export (or a rank module) holds them now
             for name in _STATE:
                 setattr(layer, name, getattr(self, f"{CACHE_PREFIX}{i}_{name}"))
-        out = self.model(input_ids=input_ids, cache_position=cache_position, use_cache=True,
-                         **{self._cache_argument: self.cache})
+        out = self.model(input_ids=input_ids, cache_position=cache_position, attention_mask=attention_mask,
+                         position_ids=position_ids, use_cache=True, **{self._cache_argument: self.cache})
         return out.logits
 
 
