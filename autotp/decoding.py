@@ -49,7 +49,16 @@ class DecodingPlans:
                 f"{self.prefill.predicted['total_s'] * 1e3:.3f} ms predicted\n"
                 f"decode: {self.decode.predicted['total_s'] * 1e3:.3f} ms predicted per token, buffers (the cache) "
                 f"{format_bytes(self.decode.memory.get('buffers', 0))} per device\n"
-                f"cache layouts: {_cache_layouts(self.decode)}")
+                f"cache layouts: {_cache_layouts(self.decode)}" + _whole_note(self))
+
+
+def _whole_note(plans: DecodingPlans) -> str:
+    """A line saying that no step is split, where none is: each device then repeats one device's work."""
+    if any(p.forward_collectives() or any(x != "R" for n in p.nodes.values() for x in n.out)
+           for p in (plans.prefill, plans.decode)):
+        return ""
+    return ("\nno split pays at this size on these links: every device runs the whole model, so one device "
+            "generates as fast")
 
 
 def _cache_layouts(plan: Plan) -> str:
@@ -68,22 +77,31 @@ def step_inputs(batch_size: int, length: int, max_length: int, start: int = 0, d
 
 def plan_decoding(model, mesh, batch_size: int, prompt_length: int, max_length: int, **options) -> DecodingPlans:
     """Plan the decode step of ``model`` (a transformers causal LM), then its prefill with the same weights and
-    cache layouts; ``options`` go to both `autotp.plan` calls (``profile``, ``pin``, ``memory_limit``, ...)."""
+    cache layouts; ``options`` go to both `autotp.plan` calls (``profile``, ``pin``, ``memory_limit``, ...).
+    A pin may name a parameter as the model names it; the plans name it as the step does (``model.`` first)."""
     from autotp.api import plan
 
     if not 0 < prompt_length < max_length:
         raise PlanError(f"the prompt length ({prompt_length}) must be at least 1 and below max_length "
                         f"({max_length}), which counts the prompt and the new tokens")
-    options = {**options, "training": False, "whole_outputs": True}
     device = next(model.parameters()).device  # the meta device plans a model too large for this machine
     step = CachedDecoder(model, batch_size, max_length)  # one cache allocated, for both captures
+    options = {**options, "training": False, "whole_outputs": True, "pin": _step_names(step, options.get("pin"))}
     decode = plan(step, mesh, step_inputs(batch_size, 1, max_length, prompt_length, device), **options)
     whole = ("R",) * len(decode.mesh.shape)
-    pin = {**(options.get("pin") or {}), **decode.parameters,
+    pin = {**options["pin"], **decode.parameters,
            **{n: decode.buffers.get(n, whole) for n in step.state_names()}}
     prefill = plan(step, mesh, step_inputs(batch_size, prompt_length, max_length, 0, device),
                    **{**options, "pin": pin})
     return DecodingPlans(prefill, decode, batch_size, prompt_length, max_length)
+
+
+def _step_names(step: CachedDecoder, pin: dict | None) -> dict:
+    """``pin`` with the names of the model's own parameters and buffers (``model.layers.0.mlp.up_proj.weight``, as
+    `autotp.interop.hf_tp_plan_pins` gives them) turned into the step's (``model.`` before them); the step's own
+    names, and names of neither, are kept as given (the planner names what is wrong with them)."""
+    own = {n for n, _ in step.named_parameters()} | {n for n, _ in step.named_buffers()}
+    return {k if k in own or f"model.{k}" not in own else f"model.{k}": v for k, v in (pin or {}).items()}
 
 
 @dataclass

@@ -46,6 +46,7 @@ at two message sizes with 3 repeats; its figures mean nothing.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import tempfile
@@ -56,7 +57,6 @@ import torch.distributed as dist
 
 import autotp
 from autotp.api import capture_model
-from autotp.interop import dtensor_plan, hf_tp_plan_pins
 from autotp.lower.collectives import CommCounter
 from autotp.report.baselines import batch_split_only
 from autotp.runtime import local_inputs, spawn
@@ -164,20 +164,28 @@ def _ddp(rank, world, sizes):
     return Variant("DDP", ddp, tuple(a[mine] for a in args), {k: v[mine] for k, v in kwargs.items()}, counter)
 
 
-def _dtensor(hf_plan, world, sizes):
+def hf_tp_parallelize(model, world: int):
+    """``model`` under DTensor's ``parallelize_module`` with the styles of its own Hugging Face ``tp_plan``, as
+    HF runs them: column- and row-parallel projections, replicated ids into the embedding split by rows, and the
+    logits of the column-parallel ``lm_head`` gathered."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    kinds = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+             "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+             "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
+    styles = {}
+    for pattern, style in model._tp_plan.items():
+        for path, _ in model.named_modules():
+            if re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), path):
+                styles[path] = kinds[style]()
+    return parallelize_module(model, init_device_mesh("cpu", (world,)), styles)
+
+
+def _dtensor(world, sizes):
     model, args, kwargs = build(*sizes)
-    styles = dtensor_plan(hf_plan, model)
-    for path, style in styles.items():  # as HF's tp_plan: replicated ids into the embedding, gathered logits out
-        module = model.get_submodule(path)
-        if isinstance(module, torch.nn.Embedding) and isinstance(style, RowwiseParallel):
-            styles[path] = RowwiseParallel(input_layouts=Replicate())
-        elif path.endswith("lm_head") and isinstance(style, ColwiseParallel):
-            styles[path] = ColwiseParallel(output_layouts=Replicate())
-    parallelize_module(model, init_device_mesh("cpu", (world,)), styles)
+    hf_tp_parallelize(model, world)
     counter = CommCounter()
     return Variant("DTensor + HF tp_plan", model, args, kwargs, counter, FunctionalCollectiveBytes(counter))
 
@@ -200,10 +208,10 @@ def measure(variants, steps: int, warmup: int, barrier: bool = True) -> dict:
     return out
 
 
-def _run_parallel(rank, world, plans, hf_plan, sizes, steps, warmup, backend):
+def _run_parallel(rank, world, plans, sizes, steps, warmup, backend):
     variants = [_autotp(label, plan, rank, sizes) for label, plan in plans.items()]
     variants.insert(1, _compiled(_autotp(*next(iter(plans.items())), rank, sizes), backend))
-    variants += [_ddp(rank, world, sizes), _dtensor(hf_plan, world, sizes)]
+    variants += [_ddp(rank, world, sizes), _dtensor(world, sizes)]
     return measure(variants, steps, warmup)
 
 
@@ -275,8 +283,7 @@ def main(argv=None) -> None:
                      "autotp (calibrated)": autotp.plan(model, mesh, args, kwargs, profile=calibrated),
                      "autotp data-parallel plan": autotp.plan(model, mesh, args, kwargs, profile=PROFILE,
                                                               allow=data_parallel)}
-            hf_plan = autotp.plan(model, mesh, args, kwargs, profile=PROFILE, pin=hf_tp_plan_pins(model))
-            per_rank = spawn(_run_parallel, world, plans, hf_plan, sizes, opts.steps, opts.warmup,
+            per_rank = spawn(_run_parallel, world, plans, sizes, opts.steps, opts.warmup,
                              opts.compile_backend, timeout_s=3600)
             one = autotp.plan(model, autotp.Mesh("1", links="loopback"), args, kwargs, profile=PROFILE)
             single = spawn(_run_single, 1, one, sizes, opts.steps, opts.warmup, timeout_s=3600)

@@ -29,7 +29,7 @@ from autotp.runtime import spawn  # noqa: E402
 
 PROMPT, NEW_TOKENS = 6, 16
 SAMPLING = {"do_sample": True, "temperature": 0.8, "top_p": 0.9}
-MEGATRON = {f"model.model.layers.{i}.{m}.weight": (layout,) for i in range(2)  # heads and MLP split, as Megatron
+MEGATRON = {f"model.layers.{i}.{m}.weight": (layout,) for i in range(2)  # heads and MLP split, as Megatron
             for m, layout in (("self_attn.q_proj", "S(0)"), ("self_attn.k_proj", "S(0)"), ("self_attn.v_proj", "S(0)"),
                               ("self_attn.o_proj", "S(1)"), ("mlp.gate_proj", "S(0)"), ("mlp.up_proj", "S(0)"),
                               ("mlp.down_proj", "S(1)"))}

@@ -29,6 +29,8 @@ What runs small, and what is left out:
   passes that the CLI no longer takes fails;
 - ``moe_plans.py``: Mixtral-8x7B with 1 of its 32 layers; ``decode_70b.py``:
   2 of the 80 layers, a 128-position cache, two of its three cases;
+  ``runtime.py`` and ``decode_runtime.py``: ``--quick`` (2 processes, one
+  small layer, one round);
 - ``shapes.py`` is a helper, run here through big_plans, fit_70b and
   layer_scaling;
 - ``gpu_check.py`` (for a machine with GPUs) runs on CPU under torchrun with
@@ -52,6 +54,7 @@ import baselines  # noqa: E402
 import big_plans  # noqa: E402
 import cost_fidelity  # noqa: E402
 import decode_70b  # noqa: E402
+import decode_runtime  # noqa: E402
 import fit_70b  # noqa: E402
 import fuzz  # noqa: E402
 import hf_models  # noqa: E402  (examples/, on the path through conftest)
@@ -234,6 +237,21 @@ def test_runtime_quick_every_way_steps(capsys):
     # the data-parallel plan sums the same gradients DDP does (and a loss of two numbers besides)
     assert positive(by["DDP"]["MiB moved / step"])
     assert by["autotp data-parallel plan"]["MiB moved / step"] == by["DDP"]["MiB moved / step"]
+
+
+def test_decode_runtime_quick_every_way_generates_one_process_tokens(capsys):
+    assert decode_runtime.main(["--quick"]) == 0  # non-zero when a way's tokens differ from one process's
+    (rows,) = tables(capsys.readouterr().out)
+    by = {r["way"]: r for r in rows}
+    assert list(by) == [f"autotp ({runtime.PROFILE})", "autotp, HF tp_plan pinned", "DTensor + HF tp_plan",
+                        "one process", "autotp, mesh of 1"]
+    assert all(r["tokens"] == "as one process" for r in rows)
+    assert all(positive(r["prefill (ms, median)"]) and positive(r["per token (ms, median)"]) for r in rows)
+    assert by["one process"]["collectives: prefill, per token"] == "0, 0"
+    # the same split two ways: both send something every token
+    for way in ("autotp, HF tp_plan pinned", "DTensor + HF tp_plan"):
+        assert int(by[way]["collectives: prefill, per token"].split(",")[1]) > 0, way
+    assert positive(by["autotp, HF tp_plan pinned"]["predicted per token (ms)"])
 
 
 def test_memory_fidelity_terms_exact_and_peak_within_its_tolerance(capsys):

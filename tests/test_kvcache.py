@@ -73,7 +73,7 @@ def _plans(world: int, kinds: tuple) -> dict:
     plans = {}
     for name in CASES:
         model, prompt, _ = make(name)
-        megatron = {f"model.model.layers.{i}.{m}.weight": (layout,) for i in range(2) for m, layout in MEGATRON.items()}
+        megatron = {f"model.layers.{i}.{m}.weight": (layout,) for i in range(2) for m, layout in MEGATRON.items()}
         for kind, pin in (("ilp", None), ("megatron", megatron)):
             if kind not in kinds:
                 continue

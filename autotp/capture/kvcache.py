@@ -46,9 +46,7 @@ class CachedDecoder(nn.Module):
 
         config = model.config
         self.model = model
-        # transformers 5.x names the argument ``cache`` (``past_key_values`` before, now deprecated)
-        parameters = inspect.signature(model.forward).parameters
-        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self._cache_argument = cache_argument(model)
         self.cache = StaticCache(config=config, max_cache_len=max_cache_len)
         heads = config.num_key_value_heads or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -71,6 +69,12 @@ class CachedDecoder(nn.Module):
         out = self.model(input_ids=input_ids, cache_position=cache_position, attention_mask=attention_mask,
                          position_ids=position_ids, use_cache=True, **{self._cache_argument: self.cache})
         return out.logits
+
+
+def cache_argument(model: nn.Module) -> str:
+    """The name of ``model.forward``'s cache argument: ``cache`` in transformers 5.x, ``past_key_values`` before
+    (deprecated since)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 _STATE = ("keys", "values", "cumulative_length")  # a StaticLayer's tensors
