@@ -137,7 +137,7 @@ def _dtensor(model, world, max_length):
 
     def step(ids, slots, mask, positions):
         return model(input_ids=ids, cache_position=slots, attention_mask=mask, position_ids=positions,
-                     use_cache=True, **{argument: cache}).logits
+                     use_cache=True, logits_to_keep=1, **{argument: cache}).logits
 
     counter = CommCounter()
     return Way("DTensor + HF tp_plan", step, step, cache.reset, counter, FunctionalCollectiveBytes(counter))
