@@ -43,6 +43,7 @@ tokens, one round; its figures mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -104,7 +105,7 @@ class Way:
     def round(self, ids, mask, new: int, barrier: bool, counting: bool = False) -> None:
         self.reset()
         prefill, decode = (Timed(s, self.counter, barrier) for s in (self.prefill, self.decode))
-        with torch.no_grad(), (self.mode if counting and self.mode is not None else _nothing()):
+        with torch.no_grad(), (self.mode if counting and self.mode is not None else contextlib.nullcontext()):
             tokens = generate(prefill, decode, ids, attention_mask=mask, max_new_tokens=new,
                               max_length=ids.shape[1] + new, do_sample=False)
         if counting:
@@ -112,14 +113,6 @@ class Way:
         else:
             self.prefill_s.append(prefill.times[0])
             self.decode_s.append(decode.times)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _autotp(name, model, plans, rank):
@@ -157,7 +150,7 @@ def measure(ways, ids, mask, new: int, rounds: int, warmup: int, barrier: bool) 
 
 
 def _run_parallel(rank, world, plans, sizes, rounds, warmup):
-    layers, hidden, batch, prompt, new = sizes
+    prompt, new = sizes[3:]
     ways = []
     for name, decoding in plans.items():
         model, ids, mask = model_and_prompts(*sizes)
