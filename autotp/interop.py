@@ -65,13 +65,39 @@ def _weight_table(module: nn.Module) -> dict:
 
 def hf_tp_plan_pins(model: nn.Module, mesh_ndim: int = 1) -> dict:
     """The model's own Hugging Face plan (``config.base_model_tp_plan`` and the head's ``_tp_plan``) as pins."""
+    return pins_from_styles(model, _hf_tp_plan(model), mesh_ndim)
+
+
+def hf_dtensor_plan(model: nn.Module) -> dict:
+    """The model's own Hugging Face plan as DTensor's ``parallelize_module`` argument, as transformers runs it:
+    column- and row-parallel projections, the embedding split by rows taking replicated ids, and
+    ``colwise_gather_output`` (the LM head) returning its output whole."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    kinds = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+             "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+             "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
+    out = {}
+    for pattern, style in _hf_tp_plan(model).items():
+        if style not in kinds:
+            raise PlanError(f"Hugging Face style {style!r} of {pattern!r} has no DTensor counterpart here (styles: "
+                            f"{', '.join(kinds)}); use hf_tp_plan_pins, which maps it for autotp.plan")
+        for path, _ in model.named_modules():
+            if re.fullmatch(_pattern(pattern), path):
+                out[path] = kinds[style]()
+    return out
+
+
+def _hf_tp_plan(model: nn.Module) -> dict[str, str]:
+    """``{module path pattern: Hugging Face style}`` from the base model's plan and the head's."""
     base = getattr(model.config, "base_model_tp_plan", None) or {}
     prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else ""
     styles = {prefix + k: v for k, v in base.items()}
     styles.update(getattr(model, "_tp_plan", None) or {})
     if not styles:
         raise PlanError(f"{type(model).__name__} has no Hugging Face tp_plan; pass styles to pins_from_styles")
-    return pins_from_styles(model, styles, mesh_ndim)
+    return styles
 
 
 def styles_from_plan(plan, model: nn.Module) -> dict[str, str]:

@@ -46,7 +46,6 @@ at two message sizes with 3 repeats; its figures mean nothing.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import tempfile
@@ -57,6 +56,7 @@ import torch.distributed as dist
 
 import autotp
 from autotp.api import capture_model
+from autotp.interop import hf_dtensor_plan
 from autotp.lower.collectives import CommCounter
 from autotp.report.baselines import batch_split_only
 from autotp.runtime import local_inputs, spawn
@@ -165,22 +165,12 @@ def _ddp(rank, world, sizes):
 
 
 def hf_tp_parallelize(model, world: int):
-    """``model`` under DTensor's ``parallelize_module`` with the styles of its own Hugging Face ``tp_plan``, as
-    HF runs them: column- and row-parallel projections, replicated ids into the embedding split by rows, and the
-    logits of the column-parallel ``lm_head`` gathered."""
+    """``model`` under DTensor's ``parallelize_module`` with the styles of its own Hugging Face ``tp_plan``
+    (`autotp.interop.hf_dtensor_plan`), on a mesh of ``world`` CPU processes."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    kinds = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-             "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-             "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
-    styles = {}
-    for pattern, style in model._tp_plan.items():
-        for path, _ in model.named_modules():
-            if re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), path):
-                styles[path] = kinds[style]()
-    return parallelize_module(model, init_device_mesh("cpu", (world,)), styles)
+    return parallelize_module(model, init_device_mesh("cpu", (world,)), hf_dtensor_plan(model))
 
 
 def _dtensor(world, sizes):
