@@ -23,6 +23,8 @@ or not, is enumerated and priced by `autotp.solve.step`:
   free and under a binding memory limit, and the least memory when minimised;
   asked to beat the limited optimum (a plan found elsewhere), it says no
   plan under the limit does, though one without it would;
+* binaries fixed by the relaxations' reduced costs, and the first branch
+  cut off at the plan rounded from its relaxation, keep the limited optimum;
 * the proof that a branch cannot fit (its least-memory relaxation over the
   limit), asked of every relaxation of 20 problems, keeps the optimum, and
   no branch it rules out holds a plan that fits;
@@ -353,3 +355,63 @@ def _choices(problem: Problem):
         choice = dict(zip(names, picks))
         if not math.isinf(step_time(problem, choice).total_s):
             yield choice
+
+
+def test_reduced_cost_fixing_and_the_rounded_start_keep_the_optimum(monkeypatch):
+    """Under a binding limit each branch's MIP gets the binaries its relaxation's reduced costs prove too costly
+    fixed to 0, and the first one is cut off at the plan rounded from its relaxation (`autotp.solve.fixing`,
+    `autotp.solve.ilp._limited`): over 40 problems and two limits the limited optimum is still the enumerated
+    one, and both happened."""
+    from autotp.solve import ilp
+
+    fixed, offered = [], []
+    real_fix, real_offer = ilp.fix_beyond, ilp._Search.offer
+
+    def fix(lp, duals, cutoff):
+        out = real_fix(lp, duals, cutoff)
+        fixed.extend(out)
+        return out
+
+    def offer(search, kinds, variant, fixing, model):
+        taken = real_offer(search, kinds, variant, fixing, model)
+        offered.append(taken)
+        return taken
+
+    monkeypatch.setattr(ilp, "fix_beyond", fix)
+    monkeypatch.setattr(ilp._Search, "offer", offer)
+    for seed in range(40):
+        rng = random.Random(2000 + seed)
+        problem = _random_problem(rng)
+        every = list(_plans(problem))
+        if not every:
+            continue
+        memories = sorted({m for _, _, m in every})
+        for limit in (memories[len(memories) // 3], memories[len(memories) // 2]):
+            assert solve(problem, memory_limit_bytes=limit).objective_s == pytest.approx(
+                _best(every, limit), abs=1e-9), (seed, limit)
+    assert fixed and any(offered), (len(fixed), offered)
+
+
+def test_a_binary_is_fixed_only_where_its_reduced_cost_passes_the_cutoff():
+    """One of three choices costing 1, 2 and 10: the relaxation takes the first at 1, and a cutoff of 5 fixes the
+    third (at least 1 + 9 > 5) but not the second (1 + 1); released, both are free again, and the MIP with the
+    fixing finds the same optimum."""
+    from autotp.solve import backends
+    from autotp.solve.fixing import fix_beyond, relaxation_duals, release
+    from autotp.solve.gap import lp_relaxation_bound
+    from autotp.solve.linear import Model, total
+
+    lp = Model()
+    x = [lp.var(binary=True) for _ in range(3)]
+    lp.eq(total(x), 1)
+    lp.minimise(total(c * v for c, v in zip((1.0, 2.0, 10.0), x)))
+    assert lp_relaxation_bound(lp) == pytest.approx(1.0)
+    duals = relaxation_duals(lp)
+    assert duals.bound == pytest.approx(1.0) and set(duals.reduced) == {1, 2}
+    assert fix_beyond(lp, duals, None) == []
+    pinned = fix_beyond(lp, duals, 5.0)
+    assert pinned == [2] and lp.upper[2] == 0.0 and lp.upper[1] == 1.0
+    backends.solve_mip(lp, "highs", None, cutoff=5.0)
+    assert lp.objective_value == pytest.approx(1.0)
+    release(lp, pinned)
+    assert lp.upper == [1.0, 1.0, 1.0]
