@@ -221,6 +221,15 @@ def _plans(problem: Problem, reduction=None, recompute: bool = True):
                 yield choice, total, memory_bytes(problem, choice, recomputed, regathered)
 
 
+def _solvable(seeds):
+    """``(seed, problem, every plan, their distinct memories sorted)`` of each seed's random problem that has a plan."""
+    for seed in seeds:
+        problem = _random_problem(random.Random(seed))
+        every = list(_plans(problem))
+        if every:
+            yield seed, problem, every, sorted({m for _, _, m in every})
+
+
 def _best(plans, limit=None, by="time"):
     values = [(t, m) if by == "time" else (m, t) for _, t, m in plans if limit is None or m <= limit]
     return min(values)[0] if values else None
@@ -326,13 +335,7 @@ def test_the_quick_proof_that_a_branch_cannot_fit_keeps_the_optimum(monkeypatch)
 
     monkeypatch.setattr(gap, "SIMPLEX_QUICK_S", 0.0)
     ruled_out = 0
-    for seed in range(20):
-        rng = random.Random(1000 + seed)
-        problem = _random_problem(rng)
-        every = list(_plans(problem))
-        if not every:
-            continue
-        memories = sorted({m for _, _, m in every})
+    for seed, problem, every, memories in _solvable(range(1000, 1020)):
         for limit in (memories[0], memories[len(memories) // 3]):
             assert solve(problem, memory_limit_bytes=limit).objective_s == pytest.approx(
                 _best(every, limit), abs=1e-9), seed
@@ -379,13 +382,7 @@ def test_reduced_cost_fixing_and_the_rounded_start_keep_the_optimum(monkeypatch)
 
     monkeypatch.setattr(ilp, "fix_beyond", fix)
     monkeypatch.setattr(ilp._Search, "offer", offer)
-    for seed in range(40):
-        rng = random.Random(2000 + seed)
-        problem = _random_problem(rng)
-        every = list(_plans(problem))
-        if not every:
-            continue
-        memories = sorted({m for _, _, m in every})
+    for seed, problem, every, memories in _solvable(range(2000, 2040)):
         for limit in (memories[len(memories) // 3], memories[len(memories) // 2]):
             assert solve(problem, memory_limit_bytes=limit).objective_s == pytest.approx(
                 _best(every, limit), abs=1e-9), (seed, limit)
