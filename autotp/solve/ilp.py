@@ -300,8 +300,7 @@ def _run(lp, x, time_limit_s, solver: str = "cbc", cutoff: float | None = None) 
     elapsed = time.perf_counter() - start
     if lp.status != "Optimal":
         return Solution({}, math.inf, lp.n_vars, lp.n_rows, elapsed, lp.status, solver=solver)
-    recompute = tuple((k, n) for k, (sizes, bits) in x.get(_RECOMPUTE, {}).items()
-                      if (n := sum(size for size, b in zip(sizes, bits) if b.value() > 0.5)))
+    recompute = _recomputed(x, lambda k, j, bit: bit.value() > 0.5)
     choice = {name: next(c for c, v in xs.items() if v.value() > 0.5) for name, xs in x.items() if name != _RECOMPUTE}
     objective, gap = lp.objective_value, None
     if not lp.proven:  # stopped at the time limit holding an incumbent
@@ -569,9 +568,9 @@ class _Search:
 
     def offer(self, kinds, variant: Problem, fixed: dict, model: tuple) -> bool:
         """Take as the target the plan rounded from the branch's relaxation just solved (on ``model``, the
-        set's ILP; ``fixed``: the branch's recompute binaries), where it fits the limit: a plan of the model, whose step time then cuts the
-        branch's own MIP (which finds the best plan below it, or proves there is none). False where it does
-        not fit."""
+        set's ILP; ``fixed``: the branch's recompute binaries), where it fits the limit: a plan of the model,
+        whose step time then cuts the branch's own MIP (which finds the best plan below it, or proves there
+        is none). False where it does not fit."""
         lp, x = model
         recompute = _fixed_recompute(x, fixed)
         if recompute is None:
@@ -623,16 +622,19 @@ def _branches(x: dict) -> list[dict]:
     return [dict(zip(bits, values)) for values in product((1, 0), repeat=len(bits))]
 
 
+def _recomputed(x: dict, is_set) -> tuple[tuple[int, int], ...]:
+    """``(class, layers)`` per class with layers recomputed (`Solution.recompute`), ``is_set(class, bit, variable)``
+    saying which of its recompute binaries are 1."""
+    counts = ((k, sum(size for j, (size, bit) in enumerate(zip(sizes, bits)) if is_set(k, j, bit)))
+              for k, (sizes, bits) in x.get(_RECOMPUTE, {}).items())
+    return tuple((k, n) for k, n in counts if n)
+
+
 def _fixed_recompute(x: dict, fixed: dict) -> tuple | None:
-    """The ``(class, layers)`` a branch recomputes (as `Solution.recompute`), or None where ``fixed`` leaves a
-    recompute binary free."""
-    recompute = []
-    for k, (sizes, bits) in x.get(_RECOMPUTE, {}).items():
-        if any((k, j) not in fixed for j in range(len(bits))):
-            return None
-        if n := sum(size for j, size in enumerate(sizes) if fixed[k, j]):
-            recompute.append((k, n))
-    return tuple(recompute)
+    """What a branch recomputes (``fixed``: its recompute binaries), or None where it leaves one free."""
+    if any((k, j) not in fixed for k, (_, bits) in x.get(_RECOMPUTE, {}).items() for j in range(len(bits))):
+        return None
+    return _recomputed(x, lambda k, j, bit: fixed[k, j])
 
 
 def _fix(x: dict, fixed: dict) -> None:
