@@ -375,8 +375,8 @@ def test_reduced_cost_fixing_and_the_rounded_start_keep_the_optimum(monkeypatch)
         fixed.extend(out)
         return out
 
-    def offer(search, kinds, variant, fixing, model):
-        taken = real_offer(search, kinds, variant, fixing, model)
+    def offer(search, branch):
+        taken = real_offer(search, branch)
         offered.append(taken)
         return taken
 

@@ -34,6 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from itertools import product
+from typing import NamedTuple
 
 from autotp.errors import SolverError
 from autotp.solve import backends
@@ -447,10 +448,10 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
     """
     cutoff = beat_s * _SCALE if beat_s is not None else None
     search = _Search(problem, limit, reduce, time_limit_s, solver, cutoff)
-    survivors = []  # (bound, order, kinds, variant, fixed, the set's ILP under the limit or None, its duals)
+    survivors: list[_Branch] = []
     bounded = kind_sets(problem)
     if time_limit_s is not None:  # no bounds: each set is solved whole, its ILP built when it is solved
-        survivors = [(0.0, i, kinds, folded(problem, kinds), {}, None, None) for i, kinds in enumerate(bounded)]
+        survivors = [_Branch(0.0, i, kinds, folded(problem, kinds), {}) for i, kinds in enumerate(bounded)]
         bounded = []
     open_ = None  # the branches some set may hold a plan faster than the target in (None: all of them)
     if cutoff is not None and len(bounded) > 1:
@@ -467,25 +468,41 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
                 bound = _branch_bound(model[0], variant, fixed, limit, reduce, search)
                 if bound is None or search.skips(bound):
                     continue  # not even fractional choices fit, or no plan of this branch beats the target
-                branch = (bound, len(survivors) + len(opened), kinds, variant, fixed, model, relaxation_duals(model[0]))
+                branch = _Branch(bound, len(survivors) + len(opened), kinds, variant, fixed, model,
+                                 relaxation_duals(model[0]))
                 if opening:
-                    search.offer(kinds, variant, fixed, model)
+                    search.offer(branch)
                     opened.append(branch)
                 else:
                     survivors.append(branch)
             if opened:
-                best = min(opened, key=lambda b: b[:2])
-                if not search.skips(best[0]):
-                    search.solve(*best[2:])
+                best = min(opened, key=_Branch.order_key)
+                if not search.skips(best.bound):
+                    search.solve(best)
                 if search.failed is not None:
                     return search.failed
                 survivors += [b for b in opened if b is not best]
-    for bound, _, kinds, variant, fixed, model, duals in sorted(survivors, key=lambda b: b[:2]):
-        if not search.skips(bound):
-            search.solve(kinds, variant, fixed, model, duals)
+    for branch in sorted(survivors, key=_Branch.order_key):
+        if not search.skips(branch.bound):
+            search.solve(branch)
         if search.failed is not None:
             return search.failed
     return search.result()
+
+
+class _Branch(NamedTuple):
+    """One value of a set's recompute binaries, bounded and waiting to be solved (`_limited`)."""
+
+    bound: float  # its relaxation's optimum (0 under a time limit: unbounded)
+    order: int  # when it was bounded: of equal bounds, the earlier (the larger set) is solved first
+    kinds: tuple  # the set of regathered kinds
+    variant: Problem  # the problem with those kinds folded in (`autotp.solve.regather.folded`)
+    fixed: dict  # its recompute binaries' values
+    model: tuple | None = None  # the set's ILP under the limit, or None: built when solved
+    duals: Duals | None = None  # its relaxation's, for reduced-cost fixing (`autotp.solve.fixing`)
+
+    def order_key(self) -> tuple:
+        return self.bound, self.order
 
 
 def _branch_bound(lp, variant: Problem, fixed: dict, limit: float, reduce: bool, search: "_Search") -> float | None:
@@ -579,13 +596,13 @@ class _Search:
             return True
         return False
 
-    def offer(self, kinds, variant: Problem, fixed: dict, model: tuple) -> bool:
-        """Take as the target the plan rounded from the branch's relaxation just solved (on ``model``, the
-        set's ILP; ``fixed``: the branch's recompute binaries), where it fits the limit and beats the target:
-        a plan of the model, whose step time then cuts every relaxation and MIP after it (a MIP finds the
-        best plan below it, or proves there is none). False where it does not fit or is no faster."""
-        lp, x = model
-        recompute = _fixed_recompute(x, fixed)
+    def offer(self, branch: "_Branch") -> bool:
+        """Take as the target the plan rounded from the branch's relaxation just solved (on its set's ILP),
+        where it fits the limit and beats the target: a plan of the model, whose step time then cuts every
+        relaxation and MIP after it (a MIP finds the best plan below it, or proves there is none). False
+        where it does not fit or is no faster."""
+        (lp, x), variant = branch.model, branch.variant
+        recompute = _fixed_recompute(x, branch.fixed)
         if recompute is None:
             return False
         choice = _rounded(x)
@@ -595,22 +612,22 @@ class _Search:
         if not math.isfinite(seconds) or (self.target() is not None and seconds * _SCALE >= self.target()):
             return False
         self.best = Solution(choice, seconds * _SCALE, lp.n_vars, lp.n_rows, 0.0, "Optimal", solver=self.solver,
-                             recompute=recompute, regather=kinds)
+                             recompute=recompute, regather=branch.kinds)
         return True
 
-    def solve(self, kinds, variant, fixed, model, duals: Duals | None = None) -> None:
+    def solve(self, branch: "_Branch") -> None:
         if self.failed is not None:
             return
         cutoff = self.cutoff_now()
-        last = self.last = _within(variant, self.limit, self.reduce, self.time_limit_s, self.solver, fixed=fixed,
-                                   model=model, cutoff=cutoff, duals=duals)
+        last = self.last = _within(branch.variant, self.limit, self.reduce, self.time_limit_s, self.solver,
+                                   fixed=branch.fixed, model=branch.model, cutoff=cutoff, duals=branch.duals)
         self.spent += last.solve_s
         if last.status in ("Infeasible", backends.CUT_OFF) and cutoff is not None:
             self.beaten = True  # no plan below the target: none at all, or none faster
         elif last.status == "Optimal" and self.cutoff is not None and last.objective_s >= self.cutoff * (1 - _BOUND_MARGIN):
             self.beaten = True
         elif last.status == "Optimal" and (self.best is None or last.objective_s < self.best.objective_s):
-            self.best = replace(last, regather=kinds)
+            self.best = replace(last, regather=branch.kinds)
         elif last.status not in ("Optimal", "Infeasible"):
             self.failed = last  # stopped by the time limit, or the solver failed: say so
 
