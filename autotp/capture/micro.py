@@ -28,12 +28,15 @@ def micro_batch(args: tuple, kwargs: dict, k: int, index: int = 0, batch: int | 
                 leaves: bool = True) -> tuple[tuple, dict]:
     """Micro-batch ``index`` of ``k``: every tensor whose dim 0 is ``batch`` (by default the batch) cut to 1/k.
 
-    ``leaves``: each piece a new leaf tensor (example inputs to capture);
-    else a view, through which gradients reach the caller's tensors.
+    ``leaves``: each piece a new leaf tensor (example inputs to capture), at
+    ``k = 1`` too, so that every count's capture sees the same inputs (two
+    arguments passed the same tensor, ``labels=input_ids``, are two pieces:
+    export would wire one placeholder's uses to the other), as `parallelize`
+    does; else a view, through which gradients reach the caller's tensors.
     """
-    if k == 1:
-        return tuple(args), dict(kwargs)
     batch = batch_size(args, kwargs) if batch is None else batch
+    if batch is None or (k == 1 and not leaves):
+        return tuple(args), dict(kwargs)
     size = batch // k
 
     def cut(value):

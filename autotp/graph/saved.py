@@ -98,10 +98,36 @@ def _probe(node: fx.Node, in_names, values, needs_grad) -> Saved:
             made[n] = t.requires_grad_(bool(needs_grad.get(n)) and t.is_floating_point())
     args, kwargs = pytree.tree_map(lambda a: made.get(a.name, values.get(a.name)) if isinstance(a, fx.Node) else a,
                                    (node.args, node.kwargs))
+    return _packed(node.target, args, kwargs, in_names, made)
+
+
+def saved_by_op(target, args, kwargs, in_names: tuple[str, ...], needs_grad: dict[str, bool]) -> Saved | None:
+    """`saved_by` for an op known only by its `autotp.graph.OpNode` record (``args`` and ``kwargs`` with each
+    tensor input's `TensorMeta` in place of its node, ``in_names`` naming them in order): for a graph read off
+    others at a new batch size (`autotp.graph.resize`). None when the record does not say which input is which
+    (a tuple of tensors from one producer)."""
+    from autotp.graph.opgraph import TensorMeta  # opgraph builds on this module
+
+    metas = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, TensorMeta)]
+    if len(metas) != len(in_names):
+        return None
+    made = {}
+    for name, meta in zip(in_names, metas):
+        if name not in made:
+            t = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+            made[name] = t.requires_grad_(bool(needs_grad.get(name)) and t.is_floating_point())
+    names = iter(in_names)
+    args, kwargs = pytree.tree_map(lambda a: made[next(names)] if isinstance(a, TensorMeta) else a,
+                                   (args, kwargs))
+    return _packed(target, args, kwargs, in_names, made)
+
+
+def _packed(target, args, kwargs, in_names, made: dict) -> Saved:
+    """Run ``target`` on meta tensors (``made``: the inputs by name) and match what autograd packs."""
     packed = []
     try:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
-            out = node.target(*args, **kwargs)
+            out = target(*args, **kwargs)
     except Exception:  # no meta kernel, a data-dependent shape: keep everything
         return everything(len(in_names))
     outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
