@@ -6,7 +6,8 @@ capture at 2 gives, op for op (shapes, arguments, FLOPs, bytes, what
 backward keeps) and edge for edge; the loss's own saved bytes differ with
 the batch, so that path is checked too. A graph with a number that is not
 proportional to the batch (``batch + 1`` rows), or ops that only one size
-traces, is refused, as is a batch of one sample. `autotp.plan` reads the
+traces, is refused (and the search then captures that size for real), as is
+a batch of one sample. `autotp.plan` reads the
 third and later micro-batch counts off the first two and finds the plan each
 count gives when captured alone.
 """
@@ -132,3 +133,16 @@ def test_the_micro_batch_search_reads_counts_off_and_finds_each_counts_plan():
     alone = autotp.plan(model, mesh, inputs, profile="h100-hgx", micro_batches=k, memory_limit=limit)
     assert searched.predicted == alone.predicted
     assert (searched.parameters, searched.nodes, searched.memory) == (alone.parameters, alone.nodes, alone.memory)
+
+
+def test_the_search_captures_for_real_what_it_cannot_read_off():
+    from autotp.api import _Captures
+
+    x = torch.randn(8, 4)
+    model = _PlusOne()
+    stream = io.StringIO()
+    captures = _Captures(model, (x,), {}, True, Stages(stream=stream))
+    got = {k: captures.at(k).graph for k in (1, 2, 4)}  # the third is refused, and captured
+    assert "not read off batches 8 and 4 (9 at batch 8 and 5 at batch 4)" in stream.getvalue()
+    assert got[4].nodes() == _graphs(model, (x,), {}, (4,))[2].nodes()
+    assert captures.at(8).graph.nodes() == _graphs(model, (x,), {}, (8,))[1].nodes()  # one sample: always captured
