@@ -102,12 +102,15 @@ class OpGraph:
         self.graph = graph
         self.order = order
         self.outputs = outputs
+        # the ops by name, read half a million times in costing a 70B model: a dict, not networkx's node views
+        # (the graph is complete when it is wrapped, and never changed after)
+        self._ops = {name: data["op"] for name, data in graph.nodes(data=True)}
 
     def node(self, name: str) -> OpNode:
-        return self.graph.nodes[name]["op"]
+        return self._ops[name]
 
     def nodes(self):
-        return [self.graph.nodes[n]["op"] for n in self.order]
+        return [self._ops[n] for n in self.order]
 
     def consumers(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
         return [(v, self.graph.edges[name, v]["inputs"]) for v in self.graph.successors(name)]

@@ -297,6 +297,7 @@ class _Coster:
     overlap: bool
     precision: str = AUTO
     memo: dict = field(default_factory=dict)
+    as_made: dict = field(default_factory=dict)  # per use (`_taken_as_made`)
     tables: dict = field(default_factory=dict)  # gradient tables of deferred uses, by twin
 
     def add_node(self, group: Group, op, count: int) -> None:
@@ -338,8 +339,7 @@ class _Coster:
         strategy = None if consumer == OUTPUT else self.problem.strategy(consumer, cv)
         meta, dst, grad, axes = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer,
                                            consumer, i, src, strategy)
-        if consumer != OUTPUT and src != dst and (self.graph.node(producer).multi_output
-                                                  or (i == 0 and writes_in_place(self.graph.node(consumer)))):
+        if src != dst and self._taken_as_made(producer, consumer, i):
             return None, math.inf, 0.0, 0, _NOTHING, None  # pieces of a split, or a tensor written in place
         split = made.gradient_slice_axes
         summed = split_gradient_axes(split, src, dst, grad, axes)
@@ -363,6 +363,15 @@ class _Coster:
         served = (ring(lone, made_by, made, user, strategy, i, sole, self.mesh, self.profile, self.training)
                   if self.problem.overlap_tp else None)
         return (dst, grad, axes), exposed, gradient, kept, (again, freed) if freed else _NOTHING, served
+
+    def _taken_as_made(self, producer: str, consumer: str, i: int) -> bool:
+        """Whether this use must take the tensor in the layout it is made in: a piece of a split, or the
+        tensor an op writes in place (asked once per use, not per pair of choices)."""
+        site = producer, consumer, i
+        if site not in self.as_made:
+            self.as_made[site] = consumer != OUTPUT and (self.graph.node(producer).multi_output or (
+                i == 0 and writes_in_place(self.graph.node(consumer))))
+        return self.as_made[site]
 
     def gradient_table(self, producer: str, consumer: str, i: int) -> list[list[float]]:
         """The gradient seconds of a deferred use, per pair of choices of its two groups.
