@@ -59,13 +59,14 @@ def test_a_graph_read_off_two_batches_is_the_one_captured_at_the_third(name):
     model, args, kwargs = MODELS[name]()
     args, kwargs = _doubled(args, kwargs)  # batch 8: micro-batches of 8, 4 and 2
     graphs = _graphs(model, args, kwargs, (1, 2, 4))
+    first = graphs[8].nodes()
     derived = resized(graphs[8], 8, graphs[4], 4, 2)
     assert derived.order == graphs[2].order and derived.outputs == graphs[2].outputs
     assert set(derived.graph.edges(data="inputs")) == set(graphs[2].graph.edges(data="inputs"))
     differs = [a.name for a, b in zip(derived.nodes(), graphs[2].nodes()) if a != b]
     assert not differs, differs[:5]
-    # the batch really changed the graph, and the copy is new (the first capture's ops are untouched)
-    assert derived.nodes() != graphs[8].nodes() and graphs[8].nodes() == _graphs(model, args, kwargs, (1,))[8].nodes()
+    # the batch really changed the graph, and the copy is new (the first capture keeps its own ops)
+    assert derived.nodes() != first and all(a is b for a, b in zip(graphs[8].nodes(), first))
     if name in ("llama", "mistral", "gpt"):  # a causal LM's cross-entropy keeps log-probabilities and a scalar
         assert any(a.saved_extra != b.saved_extra for a, b in zip(graphs[8].nodes(), graphs[4].nodes()))
 

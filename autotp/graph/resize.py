@@ -20,7 +20,10 @@ divide) raises `NotProportional`, and the caller captures that size for
 real. A micro-batch of one sample is always captured (`derivable`): tracing
 specialises size 1 (a ``squeeze`` that drops it, a branch on
 ``batch == 1``), and two larger sizes cannot show that. FLOPs and bytes are
-computed again from the new shapes, as `autotp.graph.build_opgraph` does.
+computed again from the new shapes, as `autotp.graph.build_opgraph` does,
+and an op whose own saved bytes differ between the two (a loss keeps its
+log-probabilities and a scalar: not quite proportional) is probed again at
+the new size (`autotp.graph.saved`).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class _Scale:
     def __init__(self, a: int, b: int, c: int):
         self.a, self.b, self.c = a, b, c
 
-    def int(self, n: int, m: int) -> int:
+    def number(self, n: int, m: int) -> int:
         if n == m:
             return n
         if n * self.b != m * self.a or (n * self.c) % self.a:
@@ -97,16 +100,17 @@ def _saved_again(op: OpNode, needs_grad: dict[str, bool]) -> OpNode:
 
 
 def _value(a, b, scale: _Scale):
-    """``a`` at the new batch, walking tuples, lists, dicts and `TensorMeta` shapes alike in both captures."""
+    """``a`` at the new batch, walking tuples, lists, dicts and `TensorMeta` shapes alike in both captures;
+    anything else must be the same in both."""
     if type(a) is not type(b):
         raise NotProportional(f"{a!r} and {b!r}")
     if type(a) is int:  # not bool: a flag is the same at every size
-        return scale.int(a, b)
+        return scale.number(a, b)
     if isinstance(a, TensorMeta):
         if a.dtype != b.dtype or len(a.shape) != len(b.shape):
             raise NotProportional(f"{a} and {b}")
-        return TensorMeta(tuple(scale.int(n, m) for n, m in zip(a.shape, b.shape)), a.dtype)
-    if isinstance(a, (tuple, list)):
+        return TensorMeta(tuple(scale.number(n, m) for n, m in zip(a.shape, b.shape)), a.dtype)
+    if isinstance(a, (tuple, list)) and not hasattr(a, "_fields"):  # fx's immutable lists too; a named tuple whole
         if len(a) != len(b):
             raise NotProportional(f"{a!r} and {b!r}")
         return type(a)(_value(x, y, scale) for x, y in zip(a, b))
