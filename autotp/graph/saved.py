@@ -91,11 +91,7 @@ def _describe(tree, values, needs_grad):
 
 def _probe(node: fx.Node, in_names, values, needs_grad) -> Saved:
     """Run the op once on meta tensors and see what autograd packs."""
-    made = {}
-    for n, v in values.items():
-        if isinstance(v, torch.Tensor):
-            t = torch.empty(v.shape, dtype=v.dtype, device="meta")
-            made[n] = t.requires_grad_(bool(needs_grad.get(n)) and t.is_floating_point())
+    made = {n: _meta_input(v, needs_grad.get(n)) for n, v in values.items() if isinstance(v, torch.Tensor)}
     args, kwargs = pytree.tree_map(lambda a: made.get(a.name, values.get(a.name)) if isinstance(a, fx.Node) else a,
                                    (node.args, node.kwargs))
     return _packed(node.target, args, kwargs, in_names, made)
@@ -113,13 +109,18 @@ def saved_by_op(target, args, kwargs, in_names: tuple[str, ...], needs_grad: dic
         return None
     made = {}
     for name, meta in zip(in_names, metas):
-        if name not in made:
-            t = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
-            made[name] = t.requires_grad_(bool(needs_grad.get(name)) and t.is_floating_point())
+        made.setdefault(name, _meta_input(meta, needs_grad.get(name)))
     names = iter(in_names)
     args, kwargs = pytree.tree_map(lambda a: made[next(names)] if isinstance(a, TensorMeta) else a,
                                    (args, kwargs))
     return _packed(target, args, kwargs, in_names, made)
+
+
+def _meta_input(like, needs_grad: bool | None) -> torch.Tensor:
+    """An input of ``like``'s shape and dtype on the meta device, wanting a gradient where its producer's
+    output needs one (and it is floating point)."""
+    t = torch.empty(like.shape, dtype=like.dtype, device="meta")
+    return t.requires_grad_(bool(needs_grad) and t.is_floating_point())
 
 
 def _packed(target, args, kwargs, in_names, made: dict) -> Saved:
