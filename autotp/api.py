@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -13,10 +12,12 @@ from autotp.capture import capture, example_specs, inputs_from_specs
 from autotp.capture.micro import batch_size, divisors, micro_batch
 from autotp.cost.memory import TERMS, check_precision
 from autotp.cost.profile import load_profile
+from autotp.counts import DEFER_OVER, likely_count, search_in_order
 from autotp.errors import MemoryLimitError, PlanError
 from autotp.gcpause import collector_paused
 from autotp.graph import build_opgraph
 from autotp.graph.resize import NotProportional, derivable, resized
+from autotp.lanes import lane_count, search_in_lanes
 from autotp.lower import lower
 from autotp.materialize import StateDictSource, check_materialized, prepare_weights
 from autotp.mesh import Mesh
@@ -26,7 +27,7 @@ from autotp.runtime.groups import device_mesh_groups, plan_device_mesh
 from autotp.runtime.mode import fix_mode
 from autotp.solve.assemble import assemble_plan, chosen_strategies, plan_memory
 from autotp.solve.constraints import apply_constraints
-from autotp.solve.ilp import MemoryBinds, MemoryInfeasible, NoBetterPlan, solve
+from autotp.solve.ilp import MemoryInfeasible, solve
 from autotp.solve.plan import Plan
 from autotp.solve.problem import build_problem
 from autotp.solve.recompute import LAYERS
@@ -78,7 +79,7 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
          bucket_cap_mb: float = 25.0, whole_outputs: bool = False, share_layers: bool = True, solver: str = "auto",
          replay_layers: bool = True, precision: str = AUTO, optimizer_sharding: bool = True,
          recompute: bool | str = True, micro_batches=AUTO, regather: bool = True, overlap_tp: bool = True,
-         progress: Stages | bool | None = None) -> Plan:
+         progress: Stages | bool | None = None, workers=AUTO) -> Plan:
     """Choose a placement for every parameter and op of ``model`` on ``mesh``: the fastest step that fits.
 
     ``pin`` fixes parameter placements (``{"fc1.weight": ("S(0)",)}``) and lets
@@ -135,7 +136,11 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
       batch) while memory binds and keeps the fastest plan (when k = 1 is
       memory bound by more than `DEFER_OVER` times, `likely_count` is
       searched first, so its plan cuts the others' search short); an int
-      fixes k.
+      fixes k;
+    * ``workers``: how many micro-batch counts are searched at once, each in
+      a process forked from this one (`autotp.lanes`: the same plan as one
+      at a time); ``"auto"`` is one per core this process may use, ``1``
+      searches them in turn here.
 
     ``progress`` (``True``, or an `autotp.progress.Stages`) reports each stage and its time
     on stderr; by default nothing is printed. ``share_layers`` gives identical
@@ -153,68 +158,14 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
                    bucket_cap_mb=bucket_cap_mb, whole_outputs=whole_outputs, share_layers=share_layers,
                    solver=solver, precision=precision, optimizer_sharding=optimizer_sharding, recompute=recompute,
                    regather=regather, overlap_tp=overlap_tp)
-    best, failure = None, None
     counts = micro_batch_counts(micro_batches, training, example_inputs, example_kwargs)
-    pending, ceiling = list(counts), math.inf  # no count above the ceiling can beat the best plan
-    likely, deferred = likely_count(counts, as_mesh(mesh), batch_size(example_inputs, example_kwargs)), {}
-    captures = _Captures(model, example_inputs, example_kwargs, replay_layers, stages)
-    while pending:
-        k = pending.pop(0)
-        if k > ceiling:
-            continue
-        captured, costed = deferred.pop(k) if k in deferred else (captures.at(k), None)
-        defer = k == counts[0] and likely is not None and likely in pending
-        try:
-            result = plan_captured(captured, mesh, micro_batches=k, progress=stages,
-                                   defer_over=DEFER_OVER if defer else None,
-                                   beat_s=best.predicted["total_s"] if best else None, costed=costed, **options)
-        except MemoryBinds as exc:
-            # one micro-batch is far over the limit, and its search under the limit the costliest of all: first
-            # find the plan of the likeliest count, whose step time then cuts this search (and the others) short;
-            # its costed problem is kept for then
-            deferred[k] = captured, exc.problem
-            _try_first(pending, likely)
-            pending.insert(1, k)
-            continue
-        except MemoryLimitError as exc:
-            failure = exc  # fewer tokens per micro-batch may fit: try the next k
-            continue
-        except NoBetterPlan as exc:
-            if exc.unlimited:  # even unlimited, k micro-batches are slower than the best plan: more would be too
-                ceiling = min(ceiling, k)
-            continue  # under the limit k is no faster; more micro-batches free more memory: try them
-        if best is None or result.predicted["total_s"] < best.predicted["total_s"]:
-            best = result
-        if not result.stats["memory_bound"]:
-            ceiling = min(ceiling, k)  # the fastest plan of this k fits as it is: more micro-batches only add steps
-    if best is None:
-        raise failure
+    likely = likely_count(counts, as_mesh(mesh), batch_size(example_inputs, example_kwargs))
+    job = _CountJob(_Captures(model, example_inputs, example_kwargs, replay_layers, stages), mesh, options, stages)
+    lanes = lane_count(workers, len(counts))
+    tally = search_in_lanes(job, counts, likely, lanes) if lanes > 1 else search_in_order(job, counts, likely)
+    best = tally.result()
     best.stats["plan_s"] = time.perf_counter() - started
     return best
-
-
-# one micro-batch whose fastest plan needs this many times the memory limit is searched after `likely_count`:
-# Llama-2-70B on 4x8 at batch 64 needs 20 times (it runs best as 16 micro-batches: 135 s of planning became 86),
-# at batch 8 1.7 times (one micro-batch is best, and searching 2 first made planning 41 s -> 69 s)
-DEFER_OVER = 4.0
-
-
-def likely_count(counts: list[int], mesh: Mesh, batch: int | None) -> int | None:
-    """The micro-batch count likeliest to win once memory binds: the most micro-batches that still give each
-    data-parallel replica a sample (the mesh's axes but the last, conventionally the fast one that tensor
-    parallelism takes, taken as data-parallel), Megatron-LM's micro-batch of one."""
-    replicas = max(1, mesh.size // mesh.shape[-1])
-    fitting = [k for k in counts if batch and (batch // k) % replicas == 0]
-    return max(fitting, default=None)
-
-
-def _try_first(pending: list[int], k: int | None) -> None:
-    """Move ``k`` to the front of ``pending``: the order of the counts changes the time the search takes (a good
-    plan found early lets every later relaxation stop at it), never how fast the plan it finds is (of plans as
-    fast, the one found first is kept)."""
-    if k is not None and k in pending:
-        pending.remove(k)
-        pending.insert(0, k)
 
 
 def micro_batch_counts(micro_batches, training: bool, example_inputs, example_kwargs) -> list[int]:
@@ -264,15 +215,26 @@ class _Captures:
         self.batch = batch_size(example_inputs, example_kwargs)
         self.real: list[tuple[int, Captured]] = []  # (micro-batch size, capture) of the first two derivable
         self.proportional = True  # False once the two captures showed a shape that is not
+        self.ahead: dict[int, Captured] = {}  # counts captured before they were asked for (`capture_ahead`)
 
-    def at(self, k: int) -> Captured:
+    def capture_ahead(self, k: int) -> None:
+        """Capture count ``k`` now if later counts are to be read off it: `autotp.lanes` forks each count's
+        search, so those captures must be made in the process that forks them."""
+        size = self.batch // k if self.batch else None
+        if size is not None and derivable(size) and len(self.real) < 2:
+            self.ahead[k] = self.at(k)
+
+    def at(self, k: int, stages: Stages | None = None) -> Captured:
+        if k in self.ahead:
+            return self.ahead.pop(k)
+        stages = stages or self.stages
         args, kwargs = micro_batch(self.inputs, self.kwargs, k)
         size = self.batch // k if self.batch else None
         if size is None or not derivable(size):
-            return capture_model(self.model, args, kwargs, self.replay_layers, self.stages)
+            return capture_model(self.model, args, kwargs, self.replay_layers, stages)
         if len(self.real) == 2 and self.proportional:
             (first_size, first), (second_size, second) = self.real
-            with self.stages.stage("capturing") as stage:
+            with stages.stage("capturing") as stage:
                 try:
                     graph = resized(first.graph, first_size, second.graph, second_size, size)
                 except NotProportional as exc:
@@ -282,7 +244,7 @@ class _Captures:
                     stage.detail = f"{len(graph):,} ops (batch {size} read off batches {first_size} and {second_size})"
             if graph is not None:
                 return Captured(first.gm, graph, {**example_specs(args, kwargs), "replay_layers": self.replay_layers})
-        captured = capture_model(self.model, args, kwargs, self.replay_layers, self.stages)
+        captured = capture_model(self.model, args, kwargs, self.replay_layers, stages)
         if len(self.real) < 2:
             self.real.append((size, captured))
         return captured
@@ -295,46 +257,34 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
                   solver: str = "auto", precision: str = AUTO, optimizer_sharding: bool = True,
                   recompute: bool | str = True, micro_batches: int = 1, beat_s: float | None = None,
                   regather: bool = True, overlap_tp: bool = True, progress: Stages | None = None,
-                  defer_over: float | None = None, costed=None) -> Plan:
+                  defer_over: float | None = None, costed=None, found=None) -> Plan:
     """Stages 2 to 5 of `plan` on a captured model: strategies, costs, the ILP, the `Plan`.
 
     ``beat_s``: raise `NoBetterPlan` as soon as the fastest plan, without the
     memory limit or under it, is no faster; ``defer_over``: raise
     `MemoryBinds` rather than search under a limit the fastest plan needs
-    more than that many times, carrying the costed problem, which a later
-    call with the same arguments takes back as ``costed`` to skip stages 2
-    and 3 (all three for the micro-batch search of `plan`).
+    more than that many times; ``costed``: the problem `cost_captured` gave
+    for the same arguments (stages 2 and 3 are skipped); ``found``: told the
+    step time of each better plan the search under the limit proves, as it
+    goes (`autotp.solve.ilp.solve`).
     """
     started, stages = time.perf_counter(), stages_or_silent(progress)
     mesh, profile, graph = as_mesh(mesh), load_profile(profile), captured.graph
-    precision = check_precision(precision)
-    if recompute not in (True, False, LAYERS):
-        raise PlanError(f"recompute={recompute!r}: use True (whole layer classes), {LAYERS!r} (any number of "
-                        "a class's layers) or False")
-    problem = costed
-    if problem is None:
-        with stages.stage("enumerating strategies") as stage:
-            strategies = enumerate_strategies(graph, mesh.shape, registry or default_registry(),
-                                              optimizer_sharding=training and optimizer_sharding)
-            apply_constraints(graph, strategies, pin, allow)
-            prune_unreachable(graph, strategies)
-            stage.detail = f"{sum(len(s) for s in strategies.by_node.values()):,} strategies"
-        with stages.stage("costing"):
-            problem = build_problem(graph, strategies, mesh, profile, training, overlap_gradients, share_layers,
-                                    whole_outputs, int(bucket_cap_mb * 2**20), precision, recompute,
-                                    micro_batches, overlap_tp)
-            if not regather:
-                problem.regather = {}
+    problem = costed or cost_captured(captured, mesh, training=training, profile=profile, pin=pin, allow=allow,
+                                      registry=registry, overlap_gradients=overlap_gradients,
+                                      bucket_cap_mb=bucket_cap_mb, whole_outputs=whole_outputs,
+                                      share_layers=share_layers, precision=precision,
+                                      optimizer_sharding=optimizer_sharding, recompute=recompute,
+                                      micro_batches=micro_batches, regather=regather, overlap_tp=overlap_tp,
+                                      progress=stages)
     limit = (default_memory_limit(profile) if memory_limit == AUTO
              else parse_bytes(memory_limit) if memory_limit is not None else None)
     with stages.stage("solving ILP") as stage:
         try:
-            solution = solve(problem, time_limit_s, limit, solver, beat_s=beat_s, defer_over=defer_over)
+            solution = solve(problem, time_limit_s, limit, solver, beat_s=beat_s, defer_over=defer_over,
+                             found=found)
         except MemoryInfeasible as exc:
             raise memory_limit_error(graph, problem, exc.smallest, mesh, training, limit, whole_outputs) from None
-        except MemoryBinds as exc:
-            exc.problem = problem
-            raise
         stage.detail = f"{solution.variables:,} variables"
     result = assemble_plan(graph, problem, solution, mesh, profile, training, dict(captured.specs), whole_outputs)
     result.scopes = node_scopes(captured.gm)
@@ -345,6 +295,64 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
                     "memory_bound": solution.limited,  # the fastest plan did not fit: the limit shaped this one
                     "capture": captured.gm.meta["autotp_capture"]}
     return result
+
+
+@collector_paused()
+def cost_captured(captured: Captured, mesh, *, training: bool = True, profile=DEFAULT_PROFILE, pin=None,
+                  allow=None, registry=None, overlap_gradients: bool = True, bucket_cap_mb: float = 25.0,
+                  whole_outputs: bool = False, share_layers: bool = True, precision: str = AUTO,
+                  optimizer_sharding: bool = True, recompute: bool | str = True, micro_batches: int = 1,
+                  regather: bool = True, overlap_tp: bool = True, progress: Stages | None = None):
+    """Stages 2 and 3 of `plan` on a captured model: every op's strategies, and the `Problem` that costs them
+    (`autotp.solve.problem.build_problem`), for `plan_captured` to solve."""
+    stages, mesh, profile = stages_or_silent(progress), as_mesh(mesh), load_profile(profile)
+    precision = check_precision(precision)
+    if recompute not in (True, False, LAYERS):
+        raise PlanError(f"recompute={recompute!r}: use True (whole layer classes), {LAYERS!r} (any number of "
+                        "a class's layers) or False")
+    graph = captured.graph
+    with stages.stage("enumerating strategies") as stage:
+        strategies = enumerate_strategies(graph, mesh.shape, registry or default_registry(),
+                                          optimizer_sharding=training and optimizer_sharding)
+        apply_constraints(graph, strategies, pin, allow)
+        prune_unreachable(graph, strategies)
+        stage.detail = f"{sum(len(s) for s in strategies.by_node.values()):,} strategies"
+    with stages.stage("costing"):
+        problem = build_problem(graph, strategies, mesh, profile, training, overlap_gradients, share_layers,
+                                whole_outputs, int(bucket_cap_mb * 2**20), precision, recompute, micro_batches,
+                                overlap_tp)
+        if not regather:
+            problem.regather = {}
+    return problem
+
+
+_SOLVE_ONLY = ("time_limit_s", "memory_limit", "solver")  # `plan_captured`'s options that `cost_captured` lacks
+
+
+@dataclass
+class _CountJob:
+    """Everything `plan` searches a micro-batch count with, but the count (`autotp.counts`): what each lane
+    inherits when it forks (`autotp.lanes`)."""
+
+    captures: _Captures
+    mesh: object
+    options: dict  # `plan_captured`'s keyword arguments
+    stages: Stages
+
+    def prepare(self, k: int, stages: Stages):
+        """The model captured at ``k`` micro-batches (or read off two captures), and its costed problem."""
+        captured = self.captures.at(k, stages)
+        costing = {key: value for key, value in self.options.items() if key not in _SOLVE_ONLY}
+        return captured, cost_captured(captured, self.mesh, micro_batches=k, progress=stages, **costing)
+
+    def solve(self, k: int, captured: Captured, problem, beat_s: float | None, defer: bool, stages: Stages,
+              found=None) -> Plan:
+        return plan_captured(captured, self.mesh, micro_batches=k, progress=stages, beat_s=beat_s, costed=problem,
+                             defer_over=DEFER_OVER if defer else None, found=found, **self.options)
+
+    def stages_to(self, stream) -> Stages:
+        """A reporter like this one's, writing to ``stream``."""
+        return Stages(enabled=self.stages.enabled, stream=stream)
 
 
 def _replay_detail(gm) -> str:

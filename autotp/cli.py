@@ -94,7 +94,7 @@ def cmd_plan(args) -> int:
                    whole_outputs=args.whole_outputs, precision=args.precision,
                    optimizer_sharding=args.optimizer_sharding, recompute=args.recompute, regather=args.regather,
                    overlap_tp=args.overlap_tp)
-    micro = _micro_batches(args.micro_batches)
+    micro, workers = _micro_batches(args.micro_batches), _workers(args.workers)
     if saved is not None:  # a re-cost runs the program as the plan was made to run
         runtime = saved.runtime
         options.update(overlap_gradients=runtime["overlap_gradients"], whole_outputs=runtime["whole_outputs"],
@@ -102,7 +102,7 @@ def cmd_plan(args) -> int:
                        overlap_tp=runtime.get("overlap_tp", False))
         micro = saved.micro_batches
     result = plan(model, mesh, inputs, kwargs, pin=pins, allow=same_as(saved) if saved else None, progress=stages,
-                  micro_batches=micro, **options)
+                  micro_batches=micro, workers=workers, **options)
     result.source = spec.to_source()
     baselines = None
     if not args.no_baselines:
@@ -150,12 +150,24 @@ def _plan_decoding(args, spec, mesh, profile, stages) -> int:
 
 def _micro_batches(text: str):
     """``--micro-batches``: ``auto`` or a positive count."""
+    return _auto_or_count(text, "--micro-batches")
+
+
+def _workers(text: str):
+    """``--workers``: ``auto`` or a positive count."""
+    return _auto_or_count(text, "--workers")
+
+
+def _auto_or_count(text: str, flag: str):
     if text == "auto":
         return text
     try:
-        return int(text)
+        count = int(text)
     except ValueError:
-        raise UsageError(f"--micro-batches takes 'auto' or a count such as 4, not {text!r}") from None
+        count = 0
+    if count < 1:
+        raise UsageError(f"{flag} takes 'auto' or a positive count such as 4, not {text!r}")
+    return count
 
 
 def _memory_limit(text: str):
@@ -400,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", default="auto",
                    help="run the batch as this many micro-batches a step, gradients summed once; 'auto' (the "
                         "default) tries more while memory binds and keeps the fastest plan")
+    p.add_argument("--workers", default="auto",
+                   help="search this many micro-batch counts at once, each in a forked process (the same plan); "
+                        "'auto' (the default) is one per core, 1 one at a time")
     p.add_argument("--no-recompute", dest="recompute", action="store_false",
                    help="keep every activation (by default the plan may recompute classes of identical layers in "
                         "backward when memory binds)")

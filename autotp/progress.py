@@ -29,15 +29,16 @@ class Stages:
     @contextmanager
     def stage(self, name: str):
         current, started = Stage(), time.perf_counter()
-        self._write(f"{name}… ")
+        self.write(f"{name}… ")
         try:
             yield current
         finally:
             self.times[name] = time.perf_counter() - started
             detail = f"{current.detail}, " if current.detail else ""
-            self._write(f"{detail}{self.times[name]:.1f} s\n")
+            self.write(f"{detail}{self.times[name]:.1f} s\n")
 
-    def _write(self, text: str) -> None:
+    def write(self, text: str) -> None:
+        """Write ``text`` as it is (a line another reporter wrote: a forked search's, `autotp.lanes`)."""
         if self.enabled:
             self.stream.write(text)
             self.stream.flush()

@@ -147,7 +147,7 @@ def test_the_set_of_flags_is_pinned():
                         "--memory-limit", "--mesh", "--micro-batches", "--no-baselines", "--no-optimizer-sharding",
                         "--no-overlap-gradients", "--no-overlap-tp", "--no-recompute", "--no-regather", "--chart",
                         "--precision", "--profile", "--quiet", "--recompute-layers", "--svg", "--tp-plan",
-                        "--whole-outputs", *hf]),
+                        "--whole-outputs", "--workers", *hf]),
         "verify": sorted(["--links", "--mesh", "--plan", "--profile", "--quiet", "--tolerance", *hf]),
         "explain": ["--profile", "--quiet"],
         "calibrate": ["--backend", "--links", "--max-size", "--mesh", "--name", "--nproc", "--out", "--quiet"],

@@ -323,15 +323,13 @@ class NoBetterPlan(Exception):
 
 class MemoryBinds(Exception):
     """The fastest plan needs many times the memory limit, and the caller asked to hear so before the search
-    under the limit (``solve(..., defer_over=...)``): it may first find a plan elsewhere to beat.
-    ``problem``: the problem, for the caller to solve later (`autotp.api.plan_captured` sets it)."""
-
-    problem = None
+    under the limit (``solve(..., defer_over=...)``): it may first find a plan elsewhere to beat, then solve
+    the same problem with that plan's step time as ``beat_s``."""
 
 
 def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_bytes: float | None = None,
           solver: str = "auto", reduce: bool = True, beat_s: float | None = None,
-          defer_over: float | None = None) -> Solution:
+          defer_over: float | None = None, found=None) -> Solution:
     """Pick one strategy per group minimising the predicted step time, within the memory limit.
 
     ``solver`` is ``"auto"``, ``"cbc"`` or ``"highs"`` (`autotp.solve.backends`).
@@ -348,6 +346,8 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     first tried on the LP relaxation's bound, which often settles it alone.
     ``defer_over``: raise `MemoryBinds` instead of searching under the limit when the fastest plan (or the
     relaxation's rounded guess at it) needs more than ``defer_over`` times the limit.
+    ``found(seconds)`` hears of each plan under the limit that a branch's MIP proves its best and that beats
+    the plans before it, as the search goes: a plan to beat for searches elsewhere (`autotp.lanes`).
     """
     solver = backends.resolve(solver)
     lp, x = _model(problem, "time", None, reduce)
@@ -362,7 +362,7 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     if relaxed is not None and memory_bytes(problem, relaxed) > memory_limit_bytes * (1 + _ROUNDED_MARGIN):
         if defer_over is not None and memory_bytes(problem, relaxed) > defer_over * memory_limit_bytes:
             raise MemoryBinds()
-        return _limited_or_raise(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s, 0.0)
+        return _limited_or_raise(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s, 0.0, found)
     free = _run(lp, x, time_limit_s, solver)
     if beat_s is not None and free.status == "Optimal" and free.objective_s / _SCALE >= beat_s:
         raise NoBetterPlan(f"{free.objective_s / _SCALE:.6g} s >= {beat_s:.6g} s")
@@ -372,7 +372,7 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     if (defer_over is not None and free.status == "Optimal"
             and memory_bytes(problem, free.choice, free.recompute) > defer_over * memory_limit_bytes):
         raise MemoryBinds()
-    return _limited_or_raise(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s, free.solve_s)
+    return _limited_or_raise(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s, free.solve_s, found)
 
 
 _ROUNDED_MARGIN = 0.05  # a rounded relaxation this far over the limit: the fastest plan almost surely does not fit
@@ -385,9 +385,9 @@ def _rounded(x: dict) -> dict[str, int]:
 
 
 def _limited_or_raise(problem: Problem, memory_limit_bytes: float, reduce: bool, time_limit_s, solver: str,
-                      beat_s: float | None, earlier_s: float) -> Solution:
+                      beat_s: float | None, earlier_s: float, found=None) -> Solution:
     """The fastest plan under the limit (`_limited`), or the error that says there is none."""
-    solution = _limited(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s)
+    solution = _limited(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s, found)
     if solution.status == "Beaten":
         raise NoBetterPlan(f"under the memory limit no faster than {beat_s:.6g} s", unlimited=False)
     if solution.status == "Infeasible":
@@ -413,7 +413,7 @@ def _effective(problem: Problem, solution: Solution) -> Solution:
 
 
 def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver: str,
-             beat_s: float | None = None) -> Solution:
+             beat_s: float | None = None, found=None) -> Solution:
     """The fastest plan under the memory limit, over every set of regathered kinds (`autotp.solve.regather`).
 
     Each set is its own problem, and each is cut further into *branches*,
@@ -447,7 +447,7 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
     optimum.
     """
     cutoff = beat_s * _SCALE if beat_s is not None else None
-    search = _Search(problem, limit, reduce, time_limit_s, solver, cutoff)
+    search = _Search(problem, limit, reduce, time_limit_s, solver, cutoff, found)
     survivors: list[_Branch] = []
     bounded = kind_sets(problem)
     if time_limit_s is not None:  # no bounds: each set is solved whole, its ILP built when it is solved
@@ -575,11 +575,13 @@ def _may_fit(problem: Problem, fixed: dict, limit: float, reduce: bool) -> bool:
 
 class _Search:
     """The branches of `_limited` solved so far: the best plan, whether a bound or ``cutoff`` beat any, the time
-    spent, and the solve that stopped the search (a time limit, or a failed solver)."""
+    spent, and the solve that stopped the search (a time limit, or a failed solver); ``found`` hears of each
+    better plan a MIP proves (`solve`)."""
 
-    def __init__(self, problem, limit, reduce, time_limit_s, solver, cutoff):
+    def __init__(self, problem, limit, reduce, time_limit_s, solver, cutoff, found=None):
         self.problem, self.limit, self.reduce, self.time_limit_s, self.solver = problem, limit, reduce, time_limit_s, solver
         self.cutoff, self.best, self.last, self.failed, self.beaten, self.spent = cutoff, None, None, None, False, 0.0
+        self.found = found
 
     def target(self) -> float | None:
         return self.best.objective_s if self.best is not None else self.cutoff
@@ -628,6 +630,8 @@ class _Search:
             self.beaten = True
         elif last.status == "Optimal" and (self.best is None or last.objective_s < self.best.objective_s):
             self.best = replace(last, regather=branch.kinds)
+            if self.found is not None:
+                self.found(last.objective_s / _SCALE)
         elif last.status not in ("Optimal", "Infeasible"):
             self.failed = last  # stopped by the time limit, or the solver failed: say so
 

@@ -1,0 +1,116 @@
+"""Micro-batch counts searched side by side (`autotp.lanes`): the plan the counts give searched in order.
+
+The GPT test model at batch 16 on a mesh of 4, under limits that make
+several counts compete: one where one micro-batch is far over the limit
+(it defers to the likeliest count, which is searched first without a plan
+to beat) and one where the first count is searched at once and the others
+wait for its plan. Each is planned with two lanes and with none, and the
+plans must be the same in every field the plan is made of. Progress lines
+come back whole and prefixed with their count; an error autotp raises in a
+lane reaches the caller as itself; a lane that dies, or fails with an
+exception of its own, is searched again in the caller, which plans the same.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+
+import pytest
+import torch
+
+import autotp
+from autotp.errors import MemoryLimitError, PlanError
+from autotp.lanes import lane_count
+from autotp.progress import Stages
+from models import GPT
+
+BATCH = 16
+
+
+def _make():
+    torch.manual_seed(0)
+    model = GPT(vocab=64, hidden=32, heads=4, layers=2, seq=8)
+    return model, (torch.randint(0, 64, (BATCH, 8)), torch.randint(0, 64, (BATCH, 8)))
+
+
+MESH = autotp.Mesh("4", links="nvlink")
+
+
+@pytest.fixture(scope="module")
+def free():
+    model, inputs = _make()
+    return autotp.plan(model, MESH, inputs, profile="h100-hgx", workers=1).memory["total"]
+
+
+def _plan(fraction, free, workers, **kwargs):
+    model, inputs = _make()
+    return autotp.plan(model, MESH, inputs, profile="h100-hgx", memory_limit=int(free * fraction), workers=workers,
+                       **kwargs)
+
+
+def _same(a, b) -> None:
+    assert a.micro_batches == b.micro_batches
+    assert a.predicted == b.predicted
+    assert a.memory == b.memory
+    assert a.parameters == b.parameters and a.nodes == b.nodes
+    assert (a.recompute, a.regather, a.optimizer_sharding) == (b.recompute, b.regather, b.optimizer_sharding)
+
+
+@pytest.mark.parametrize("fraction, micro_batches", [(0.15, 4), (0.3, 1)])
+def test_counts_side_by_side_plan_as_in_order(free, fraction, micro_batches):
+    """0.15: one micro-batch is more than 4 times over (it defers, 16 is searched first), and 4 win; 0.3: one
+    micro-batch is searched at once, and wins."""
+    in_order = _plan(fraction, free, workers=1)
+    stream = io.StringIO()
+    side_by_side = _plan(fraction, free, workers=2, progress=Stages(stream=stream))
+    assert in_order.micro_batches == micro_batches and in_order.stats["memory_bound"]  # the counts compete
+    _same(side_by_side, in_order)
+    lines = stream.getvalue().splitlines()
+    searched = {int(m.group(1)) for m in map(re.compile(r"^\[(\d+) micro-batch(?:es)?\] ").match, lines) if m}
+    assert {1, side_by_side.micro_batches} <= searched and len(searched) >= 3
+    assert all(re.fullmatch(r"(\[\d+ micro-batch(es)?\] )?[a-zA-Z ]+… .*\d s", line) for line in lines), lines
+
+
+def test_nothing_fits_raises_the_same_error(free):
+    with pytest.raises(MemoryLimitError) as in_order:
+        _plan(0.001, free, workers=1)
+    with pytest.raises(MemoryLimitError) as side_by_side:
+        _plan(0.001, free, workers=2)
+    assert str(side_by_side.value) == str(in_order.value)
+
+
+def test_an_error_autotp_raises_in_a_lane_reaches_the_caller(free):
+    with pytest.raises(PlanError, match="recompute='sometimes'"):
+        _plan(0.15, free, workers=2, recompute="sometimes")
+
+
+def test_a_lane_that_dies_or_fails_is_searched_again_in_the_caller(free):
+    """The lanes of counts 2 and 4 die as if killed, that of 8 raises an error of its own: each is searched
+    again in the planning process, where nothing fails, and the plan is the one made in order."""
+    planner = os.getpid()
+
+    def allow(op, strategy):
+        if os.getpid() != planner and op.name == "embedding":  # only in a lane
+            k = BATCH // op.out[0].shape[0]
+            if k in (2, 4):
+                os._exit(3)
+            if k == 8:
+                raise RuntimeError("a failure of the lane's own")
+        return True
+
+    stream = io.StringIO()
+    side_by_side = _plan(0.15, free, workers=2, allow=allow, progress=Stages(stream=stream))
+    _same(side_by_side, _plan(0.15, free, workers=1, allow=allow))
+    again = [line for line in stream.getvalue().splitlines() if line.startswith("enumerating strategies")]
+    assert len(again) == 3  # 2, 4 and 8 micro-batches, searched again here
+
+
+def test_lane_count():
+    assert lane_count(2, 1) == 1  # one count: nothing to share
+    assert lane_count(8, 3) == 3
+    assert lane_count("auto", 6) >= 1
+    for bad in (0, -1, "two", True, 1.5):
+        with pytest.raises(PlanError, match="workers="):
+            lane_count(bad, 4)
