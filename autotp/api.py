@@ -215,19 +215,21 @@ class _Captures:
         self.batch = batch_size(example_inputs, example_kwargs)
         self.real: list[tuple[int, Captured]] = []  # (micro-batch size, capture) of the first two derivable
         self.proportional = True  # False once the two captures showed a shape that is not
-        self.ahead: dict[int, Captured] = {}  # counts captured before they were asked for (`capture_ahead`)
+        self.ahead: dict[int, tuple] = {}  # (capture, seconds) of counts captured before asked for (`capture_ahead`)
 
     def capture_ahead(self, k: int) -> None:
         """Capture count ``k`` now if later counts are to be read off it: `autotp.lanes` forks each count's
         search, so those captures must be made in the process that forks them."""
         size = self.batch // k if self.batch else None
         if size is not None and derivable(size) and len(self.real) < 2:
-            self.ahead[k] = self.at(k)
+            started = time.perf_counter()
+            self.ahead[k] = self.at(k), time.perf_counter() - started
 
     def at(self, k: int, stages: Stages | None = None) -> Captured:
-        if k in self.ahead:
-            return self.ahead.pop(k)
         stages = stages or self.stages
+        if k in self.ahead:  # its time is the count's own capture stage, as if it were captured now
+            captured, stages.times["capturing"] = self.ahead.pop(k)
+            return captured
         args, kwargs = micro_batch(self.inputs, self.kwargs, k)
         size = self.batch // k if self.batch else None
         if size is None or not derivable(size):

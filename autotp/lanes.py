@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
@@ -78,8 +79,9 @@ class _Lane:
 
 
 def search_in_lanes(job, counts: list[int], likely: int | None, lanes: int) -> Tally:
-    """The counts searched side by side, at most ``lanes`` preparing or searching at once (the module's
-    docstring); the tally is the one `autotp.counts.search_in_order` gives."""
+    """The counts searched side by side (the module's docstring): a lane is started while fewer than ``lanes``
+    prepare or search and fewer than ``lanes`` wait, and every waiting lane is handed the plan to beat as soon
+    as there is one. The tally is the one `autotp.counts.search_in_order` gives."""
     order = [counts[0]] + ([likely] if defers(counts, likely) else [])
     order += [k for k in counts if k not in order]
     tally, reported = Tally(), None  # reported: the fastest plan a lane has proven so far, before its end
@@ -146,13 +148,17 @@ def _lane(conn, job, k: int, first: bool, defer: bool) -> None:
         conn.send(("waiting",))
         return conn.recv()
 
-    try:
-        outcome = search_count(job, k, stages, first, defer, wait_for_target,
-                               found=lambda seconds: conn.send(("found", seconds)))
-    except AutotpError as exc:
-        outcome = "error", exc
-    except BaseException:  # noqa: BLE001 -- searched again in the caller, where it has its traceback
-        outcome = "error", None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # each is warned again in the caller, under its filters
+        try:
+            outcome = search_count(job, k, stages, first, defer, wait_for_target,
+                                   found=lambda seconds: conn.send(("found", seconds)))
+        except AutotpError as exc:
+            outcome = "error", exc
+        except BaseException:  # noqa: BLE001 -- searched again in the caller, where it has its traceback
+            outcome = "error", None
+    for warning in caught:
+        conn.send(("warning", warning.category, str(warning.message)))
     conn.send(outcome)
     conn.close()
 
@@ -200,6 +206,8 @@ def _hear(job, lane: _Lane, live: dict, tally: Tally, reported: float | None, ta
             job.stages.write(message[1])
         elif kind == "waiting":
             lane.state = WAITING
+        elif kind == "warning":
+            warnings.warn(message[2], message[1], stacklevel=2)
         elif kind == "found":
             reported = message[1] if reported is None else min(reported, message[1])
         elif kind == "error":

@@ -69,7 +69,7 @@ def test_counts_side_by_side_plan_as_in_order(free, fraction, micro_batches):
     _same(side_by_side, in_order)
     lines = stream.getvalue().splitlines()
     searched = {int(m.group(1)) for m in map(re.compile(r"^\[(\d+) micro-batch(?:es)?\] ").match, lines) if m}
-    assert {1, side_by_side.micro_batches} <= searched and len(searched) >= 3
+    assert {1, side_by_side.micro_batches} <= searched and len(searched) >= 2  # which others: the timing
     assert all(re.fullmatch(r"(\[\d+ micro-batch(es)?\] )?[a-zA-Z ]+… .*\d s", line) for line in lines), lines
 
 
