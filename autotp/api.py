@@ -10,7 +10,7 @@ from torch.utils import _pytree as pytree
 
 from autotp.capture import capture, example_specs, inputs_from_specs
 from autotp.capture.micro import batch_size, divisors, micro_batch
-from autotp.cost.memory import TERMS, check_precision
+from autotp.cost.memory import AUTO, TERMS, check_precision
 from autotp.cost.profile import load_profile
 from autotp.counts import DEFER_OVER, likely_count, search_in_order
 from autotp.errors import MemoryLimitError, PlanError
@@ -62,7 +62,6 @@ def _as_tuple(example_inputs) -> tuple:
     return tuple(example_inputs)
 
 
-AUTO = "auto"
 MEMORY_RESERVE = 0.05  # of the device's memory, kept back by the default limit: CUDA context, allocator, NCCL buffers
 
 

@@ -42,10 +42,10 @@ import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
+from autotp.cost.memory import AUTO
 from autotp.counts import Tally, defers, search_count, settle
 from autotp.errors import AutotpError, PlanError
 
-AUTO = "auto"
 PREPARING, WAITING, SEARCHING = "preparing", "waiting", "searching"
 _NICER = 10  # how much less CPU a lane gets than the first count's, where they share a core
 
@@ -198,8 +198,7 @@ def _hear(job, lane: _Lane, live: dict, tally: Tally, reported: float | None, ta
                 raise EOFError
             message = lane.conn.recv()
         except (EOFError, OSError):
-            live.pop(lane.k).stop()
-            settle(tally, lane.k, search_count(job, lane.k, job.stages, False, False, lambda: target))
+            _search_here(job, lane, live, tally, target)
             return reported
         kind = message[0]
         if kind == "line":
@@ -211,12 +210,17 @@ def _hear(job, lane: _Lane, live: dict, tally: Tally, reported: float | None, ta
         elif kind == "found":
             reported = message[1] if reported is None else min(reported, message[1])
         elif kind == "error":
-            live.pop(lane.k).stop()
             if message[1] is not None:
                 raise message[1]
-            settle(tally, lane.k, search_count(job, lane.k, job.stages, False, False, lambda: target))
+            _search_here(job, lane, live, tally, target)
             return reported
         else:
             live.pop(lane.k).stop()
             settle(tally, lane.k, message)
             return reported
+
+
+def _search_here(job, lane: _Lane, live: dict, tally: Tally, target: float | None) -> None:
+    """The count of a lane that ended without an outcome, searched again in this process against ``target``."""
+    live.pop(lane.k).stop()
+    settle(tally, lane.k, search_count(job, lane.k, job.stages, False, False, lambda: target))
