@@ -32,6 +32,12 @@ out either way. Progress lines come back whole, each prefixed with its
 count. A lane that dies, or fails for a reason autotp does not raise on
 purpose, is searched again in the caller, where the error has its full
 traceback.
+
+A count whose lane fails is settled no sooner than the counts below it: an
+error at a count above the ceiling (`autotp.counts.Tally`) is dropped, as
+that count could not have given the plan (and the search in order would
+not have reached it: a model whose batch norm cannot take a micro-batch of
+one sample plans at one micro-batch all the same).
 """
 
 from __future__ import annotations
@@ -86,6 +92,7 @@ def search_in_lanes(job, counts: list[int], likely: int | None, lanes: int) -> T
     order += [k for k in counts if k not in order]
     tally, reported = Tally(), None  # reported: the fastest plan a lane has proven so far, before its end
     pending, live = list(order), {}
+    failed = {}  # count -> the AutotpError its lane raised, or None where it ended without an outcome
     try:
         while pending or live:
             target = min((t for t in (tally.target(), reported) if t is not None), default=None)
@@ -98,9 +105,11 @@ def search_in_lanes(job, counts: list[int], likely: int | None, lanes: int) -> T
             if not live:
                 break  # every count left is above the ceiling
             for lane in _ready(live):
-                reported = _hear(job, lane, live, tally, reported, target)
+                reported = _hear(job, lane, live, tally, reported, failed)
             for k in [k for k in live if k > tally.ceiling]:  # a count above the ceiling cannot win
                 live.pop(k).stop()
+            _settle_failed(job, tally, failed, unsettled=set(live) | set(pending))
+        _settle_failed(job, tally, failed, unsettled=set())
     finally:
         for lane in live.values():
             lane.stop()
@@ -187,9 +196,9 @@ def _ready(live: dict) -> list[_Lane]:
     return list({id(by_handle[h]): by_handle[h] for h in wait(list(by_handle))}.values())
 
 
-def _hear(job, lane: _Lane, live: dict, tally: Tally, reported: float | None, target: float | None):
-    """Act on all a lane has sent; return the fastest plan proven so far. A lane that ended without an outcome
-    (killed, or failed in a way that did not pickle) is searched again here."""
+def _hear(job, lane: _Lane, live: dict, tally: Tally, reported: float | None, failed: dict):
+    """Act on all a lane has sent; return the fastest plan proven so far. A lane that failed, or ended without
+    an outcome (killed, or failed in a way that did not pickle), goes to ``failed`` (`_settle_failed`)."""
     while True:
         try:
             if not lane.conn.poll():
@@ -198,8 +207,7 @@ def _hear(job, lane: _Lane, live: dict, tally: Tally, reported: float | None, ta
                 raise EOFError
             message = lane.conn.recv()
         except (EOFError, OSError):
-            _search_here(job, lane, live, tally, target)
-            return reported
+            message = "error", None
         kind = message[0]
         if kind == "line":
             job.stages.write(message[1])
@@ -209,18 +217,26 @@ def _hear(job, lane: _Lane, live: dict, tally: Tally, reported: float | None, ta
             warnings.warn(message[2], message[1], stacklevel=2)
         elif kind == "found":
             reported = message[1] if reported is None else min(reported, message[1])
-        elif kind == "error":
-            if message[1] is not None:
-                raise message[1]
-            _search_here(job, lane, live, tally, target)
-            return reported
         else:
             live.pop(lane.k).stop()
-            settle(tally, lane.k, message)
+            if kind == "error":
+                failed[lane.k] = message[1]
+            else:
+                settle(tally, lane.k, message)
             return reported
 
 
-def _search_here(job, lane: _Lane, live: dict, tally: Tally, target: float | None) -> None:
-    """The count of a lane that ended without an outcome, searched again in this process against ``target``."""
-    live.pop(lane.k).stop()
-    settle(tally, lane.k, search_count(job, lane.k, job.stages, False, False, lambda: target))
+def _settle_failed(job, tally: Tally, failed: dict, unsettled: set) -> None:
+    """Settle the failed counts whose fate no count still ``unsettled`` can change, fewest micro-batches first:
+    one above the ceiling is dropped (it could not win), any other raises its lane's error, or, with none, is
+    searched again here, where an error has its full traceback."""
+    for k in sorted(failed):
+        if k > tally.ceiling:
+            del failed[k]
+        elif any(j < k for j in unsettled):
+            return  # a count below may still lift it above the ceiling
+        else:
+            error = failed.pop(k)
+            if error is not None:
+                raise error
+            settle(tally, k, search_count(job, k, job.stages, False, False, tally.target))

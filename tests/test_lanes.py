@@ -8,7 +8,8 @@ wait for its plan. Each is planned with two lanes and with none, and the
 plans must be the same in every field the plan is made of. Progress lines
 come back whole and prefixed with their count; an error autotp raises in a
 lane reaches the caller as itself; a lane that dies, or fails with an
-exception of its own, is searched again in the caller, which plans the same.
+exception of its own, is searched again in the caller, which plans the same;
+a lane's failure at a count that cannot win does not fail the plan.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -105,6 +107,31 @@ def test_a_lane_that_dies_or_fails_is_searched_again_in_the_caller(free):
     _same(side_by_side, _plan(0.15, free, workers=1, allow=allow))
     again = [line for line in stream.getvalue().splitlines() if line.startswith("enumerating strategies")]
     assert len(again) == 3  # 2, 4 and 8 micro-batches, searched again here
+
+
+def test_an_error_at_a_count_that_cannot_win_is_dropped(tmp_path):
+    """Under the default limit one micro-batch fits as it is, so no other count can win, and the search in order
+    never reaches them: that their lanes fail (as batch norm fails on a micro-batch of one sample) must not fail
+    the plan. The first count's lane holds on until another has failed, so the failure always comes first."""
+    planner, failed = os.getpid(), tmp_path / "failed"
+
+    def allow(op, strategy):
+        if os.getpid() != planner and op.name == "embedding":  # only in a lane
+            if op.out[0].shape[0] < BATCH:
+                failed.touch()
+                raise PlanError("this count cannot be planned")
+            deadline = time.monotonic() + 60
+            while not failed.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return True
+
+    model, inputs = _make()
+    side_by_side = autotp.plan(model, MESH, inputs, profile="h100-hgx", workers=2, allow=allow)
+    assert failed.exists()
+    model, inputs = _make()
+    in_order = autotp.plan(model, MESH, inputs, profile="h100-hgx", workers=1, allow=allow)
+    assert in_order.micro_batches == 1 and not in_order.stats["memory_bound"]
+    _same(side_by_side, in_order)
 
 
 def test_lane_count():
