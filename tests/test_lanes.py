@@ -23,6 +23,8 @@ import pytest
 import torch
 
 import autotp
+from autotp.api import capture_model
+from autotp.cost.memory import most_bytes
 from autotp.errors import MemoryLimitError, PlanError
 from autotp.lanes import lane_count
 from autotp.progress import Stages
@@ -109,10 +111,11 @@ def test_a_lane_that_dies_or_fails_is_searched_again_in_the_caller(free):
     assert len(again) == 3  # 2, 4 and 8 micro-batches, searched again here
 
 
-def test_an_error_at_a_count_that_cannot_win_is_dropped(tmp_path):
-    """Under the default limit one micro-batch fits as it is, so no other count can win, and the search in order
-    never reaches them: that their lanes fail (as batch norm fails on a micro-batch of one sample) must not fail
-    the plan. The first count's lane holds on until another has failed, so the failure always comes first."""
+def test_an_error_at_a_count_that_cannot_win_is_dropped(free, tmp_path):
+    """Under half as much again as it needs, one micro-batch fits as it is, so no other count can win, and the
+    search in order never reaches them: that their lanes fail (as batch norm fails on a micro-batch of one
+    sample) must not fail the plan. The first count's lane holds on until another has failed, so the failure
+    always comes first."""
     planner, failed = os.getpid(), tmp_path / "failed"
 
     def allow(op, strategy):
@@ -125,13 +128,28 @@ def test_an_error_at_a_count_that_cannot_win_is_dropped(tmp_path):
                 time.sleep(0.01)
         return True
 
-    model, inputs = _make()
-    side_by_side = autotp.plan(model, MESH, inputs, profile="h100-hgx", workers=2, allow=allow)
+    side_by_side = _plan(1.5, free, workers=2, allow=allow)
     assert failed.exists()
-    model, inputs = _make()
-    in_order = autotp.plan(model, MESH, inputs, profile="h100-hgx", workers=1, allow=allow)
+    in_order = _plan(1.5, free, workers=1, allow=allow)
     assert in_order.micro_batches == 1 and not in_order.stats["memory_bound"]
     _same(side_by_side, in_order)
+
+
+def test_a_limit_that_cannot_bind_searches_one_count_here(free):
+    """Under the default limit (80 GB) every tensor of the small GPT's step, unsharded, fits many times over:
+    no lane is forked (no progress line carries a count). The bound is above what every plan keeps, with each
+    lever on or off, memory bound or not."""
+    model, inputs = _make()
+    stream = io.StringIO()
+    plan = autotp.plan(model, MESH, inputs, profile="h100-hgx", workers=2, progress=Stages(stream=stream))
+    assert plan.micro_batches == 1 and "micro-batch" not in stream.getvalue()
+    bound = most_bytes(capture_model(model, inputs).graph, training=True)
+    levers = [{}, {"optimizer_sharding": False, "recompute": False, "regather": False}, {"precision": "fp32"}]
+    for memory_limit in (None, int(free * 0.5)):
+        for options in levers:
+            chosen = autotp.plan(model, MESH, inputs, profile="h100-hgx", workers=1, micro_batches=1,
+                                 memory_limit=memory_limit, **options)
+            assert 0 < chosen.memory["total"] <= bound
 
 
 def test_lane_count():

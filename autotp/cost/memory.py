@@ -149,6 +149,23 @@ def _partial(layout, shape) -> bool:
     return any(isinstance(p, Partial) and n > 1 for p, n in zip(layout, shape))
 
 
+def most_bytes(graph, training: bool, precision: str = AUTO) -> int:
+    """More than any plan of ``graph`` keeps on a device: every parameter's whole state and every buffer, and
+    each op's tensors, inputs and outputs, twice over (kept for backward, gathered, in a collective's buffer),
+    none of them sharded. From the graph alone, before any strategy: where a memory limit exceeds it, the limit
+    cannot bind, and `autotp.plan` searches one micro-batch count, in its own process."""
+    total = 0
+    for op in graph.nodes():
+        meta = op.out[0] if op.out else None
+        if op.kind == KIND_PARAM and training and op.requires_grad:
+            total += meta.numel * sum(state_bytes(meta.dtype.itemsize, precision))
+        elif op.kind in (KIND_PARAM, KIND_BUFFER):
+            total += meta.nbytes
+        else:
+            total += 2 * op.bytes
+    return total
+
+
 def memory_by_term(graph, chosen: dict, mesh, training: bool, precision: str = AUTO) -> dict[str, int]:
     """Bytes per device for ``chosen`` (node name -> Strategy), split into named terms."""
     terms = dict.fromkeys(TERMS, 0)
