@@ -100,8 +100,8 @@ def search_in_lanes(job, counts: list[int], likely: int | None, lanes: int) -> T
         while pending or live:
             target = min((t for t in (tally.target(), reported) if t is not None), default=None)
             _release(live, target, [likely] + order if likely else order, pending)
-            # a lane waiting for a plan to beat holds its costed problem: no more than ``lanes`` wait at once
-            # (one more than that, and Llama-2-70B at batch 64 planned in 17.9 s, not 19.5: a core idled)
+            # a lane waiting for a plan to beat holds its costed problem: up to ``lanes`` + 1 wait at once (with
+            # ``lanes`` at most, Llama-2-70B at batch 64 planned in 19.5 s, not 17.9: a core idled)
             while pending and (_working(live) == 0 or _working(live) < lanes and len(live) - _working(live) <= lanes):
                 k = pending.pop(0)
                 if k <= tally.ceiling:
@@ -243,7 +243,7 @@ def _settle_failed(job, tally: Tally, failed: dict, unsettled: set) -> None:
         if k > tally.ceiling:
             del failed[k]
         elif any(j < k for j in unsettled):
-            return  # a count below may still lift it above the ceiling
+            return  # a count below it may yet bring the ceiling under it
         else:
             error = failed.pop(k)
             if error is not None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -92,3 +94,28 @@ def test_interrupted_write_keeps_the_previous_file(tmp_path):
     with atomic_path(target) as tmp:
         tmp.write_text("new")
     assert target.read_text() == "new"
+
+
+spawn_module = importlib.import_module("autotp.runtime.spawn")  # the package's ``spawn`` is the function
+
+
+def _sum_of_ranks(rank, world):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_a_port_taken_before_rank_0_binds_it_is_tried_again(monkeypatch):
+    """The port `free_port` gave is taken by another process before rank 0's store listens on it (the race
+    beside other test workers): the run starts again on another port, and its collectives run."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real = spawn_module.free_port
+    monkeypatch.setattr(spawn_module, "free_port", lambda: ports.pop() if ports else real())
+    try:
+        assert spawn(_sum_of_ranks, 2, timeout_s=60) == [1.0, 1.0]
+    finally:
+        taken.close()
+    assert not ports  # the taken port was handed out first

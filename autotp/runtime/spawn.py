@@ -75,8 +75,30 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
     dies, or the run is not done within ``timeout_s`` seconds, every other rank
     is stopped and `RankFailedError` names the failing rank, its exit code or
     signal, and its traceback when it had one. Collectives time out after
-    ``timeout_s`` too, so no rank waits forever for a dead peer.
+    ``timeout_s`` too, so no rank waits forever for a dead peer. A port taken
+    between `free_port` and rank 0's store (by a process beside this one) is
+    tried again on another, up to `_PORT_TRIES` runs in all.
     """
+    for _ in range(_PORT_TRIES):
+        results, failures = _spawn_once(fn, world_size, args, timeout_s)
+        if not (failures and _port_taken(failures)):
+            break
+    if failures:
+        raise RankFailedError(_failure_message(failures, world_size, timeout_s))
+    return results
+
+
+_PORT_TRIES = 3  # a free port is free when asked for; another process may bind it before rank 0's store does
+
+
+def _port_taken(failures: dict) -> bool:
+    """Whether the run failed because rank 0's store found its port taken: in `init_process_group`, before any
+    rank ran ``fn`` (none gets past it without that store), so the run may start again on another port."""
+    return any(kind == "raised" and "EADDRINUSE" in detail and "init_process_group" in detail
+               for _, kind, detail in failures.values())
+
+
+def _spawn_once(fn, world_size: int, args: tuple, timeout_s: float) -> tuple[list, dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -89,9 +111,7 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
         results, failures = _watch(procs, queue, time.monotonic() + timeout_s)
     finally:
         _stop(procs, grace_s=_STOP_S if failures == {} else 0.0)
-    if failures:
-        raise RankFailedError(_failure_message(failures, world_size, timeout_s))
-    return results
+    return results, failures
 
 
 def _watch(procs, queue, deadline: float) -> tuple[list, dict]:
