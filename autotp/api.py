@@ -167,7 +167,9 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     counts = micro_batch_counts(micro_batches, training, example_inputs, example_kwargs)
     likely = likely_count(counts, as_mesh(mesh), batch_size(example_inputs, example_kwargs))
     job = _CountJob(_Captures(model, example_inputs, example_kwargs, replay_layers, stages), mesh, options, stages)
-    lanes = lane_count(workers, len(counts)) if job.may_bind(counts[0]) else 1
+    lanes = lane_count(workers, len(counts))
+    if lanes > 1 and not job.may_bind(counts[0]):
+        lanes = 1
     tally = search_in_lanes(job, counts, likely, lanes) if lanes > 1 else search_in_order(job, counts, likely)
     best = tally.result()
     best.stats["plan_s"] = time.perf_counter() - started

@@ -86,15 +86,11 @@ def search_in_order(job, counts: list[int], likely: int | None) -> Tally:
         captured, problem = deferred.pop(k) if k in deferred else job.prepare(k, job.stages)
         defer = k == counts[0] and defers(counts, likely) and likely in pending
         try:
-            tally.planned(k, job.solve(k, captured, problem, tally.target(), defer, job.stages))
+            settle(tally, k, _outcome(lambda: job.solve(k, captured, problem, tally.target(), defer, job.stages)))
         except MemoryBinds:
             deferred[k] = captured, problem
             pending.remove(likely)
             pending[:0] = [likely, k]
-        except MemoryLimitError as exc:
-            tally.failed(k, exc)
-        except NoBetterPlan as exc:
-            tally.beaten(k, exc.unlimited)
     return tally
 
 
@@ -105,10 +101,16 @@ def search_count(job, k: int, stages, first: bool, defer: bool, wait_for_target,
     captured, problem = job.prepare(k, stages)
     beat = None if first else wait_for_target()
     try:
-        try:
-            return "plan", job.solve(k, captured, problem, beat, defer, stages, found)
-        except MemoryBinds:
-            return "plan", job.solve(k, captured, problem, wait_for_target(), False, stages, found)
+        return _outcome(lambda: job.solve(k, captured, problem, beat, defer, stages, found))
+    except MemoryBinds:
+        return _outcome(lambda: job.solve(k, captured, problem, wait_for_target(), False, stages, found))
+
+
+def _outcome(solve) -> tuple:
+    """``solve()``'s plan as a count's outcome (`settle`): ``("plan", plan)``, ``("beaten", unlimited)`` or
+    ``("failed", error)``; `MemoryBinds` passes through."""
+    try:
+        return "plan", solve()
     except NoBetterPlan as exc:
         return "beaten", exc.unlimited
     except MemoryLimitError as exc:
