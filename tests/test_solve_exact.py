@@ -143,7 +143,7 @@ def _random_fanout(rng, problem: Problem) -> FanOut:
     nu = problem.groups[producer].n
     keys = rng.randint(1, 3)  # target layouts the uses may ask for
     fanout = FanOut(producer, [], [], [])
-    index = {}
+    index, numbers = {}, {}
     for _ in range(rng.randint(2, 3)):
         consumer = rng.choice(names + [None])
         if consumer not in (None, producer) and problem.groups[consumer].n > 1 and nu > 1:
@@ -160,7 +160,8 @@ def _random_fanout(rng, problem: Problem) -> FanOut:
                 if (i, key) not in index:
                     index[i, key] = len(fanout.cost_s)
                     fanout.cost_s.append(rng.choice([1.0, 2.0, 3.0]))
-                    fanout.ident.append((rng.randrange(2), key))  # producer choices may share a source layout
+                    # producer choices may share a source layout: items of one (layout, key) share their number
+                    fanout.ident.append(numbers.setdefault((rng.randrange(2), key), len(numbers)))
                 row.append(index[i, key])
             items.append(row)
         fanout.arms.append(Arm(consumer, items))

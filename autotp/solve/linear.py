@@ -188,19 +188,24 @@ class Model:
     def _row(self, a, b, low: float, up: float) -> None:
         """``low <= a - b <= up``, the constants moved to the bounds."""
         a, b = as_lin(a), as_lin(b)
-        index, coef = a.index + b.index, a.coef + [-c for c in b.coef]
-        const = a.const - b.const
+        self.row(a.index + b.index, a.coef + [-c for c in b.coef], low - (a.const - b.const), up - (a.const - b.const))
+
+    def row(self, index: list[int], coef: list[float], low: float, up: float) -> None:
+        """``low <= sum(coef * x[index]) <= up`` from the columns and coefficients themselves: what `ge`, `le` and
+        `eq` come down to, called directly where a model has tens of thousands of rows (`autotp.solve.ilp`)."""
         if len(set(index)) != len(index):  # a variable named twice: one entry, its coefficients summed
             merged: dict[int, float] = {}
             for i, c in zip(index, coef):
                 merged[i] = merged.get(i, 0.0) + c
             index, coef = list(merged), list(merged.values())
-        kept = [(i, c) for i, c in zip(index, coef) if c != 0.0]
-        self.row_index += [i for i, _ in kept]
-        self.row_coef += [c for _, c in kept]
+        if 0.0 in coef:
+            kept = [(i, c) for i, c in zip(index, coef) if c != 0.0]
+            index, coef = [i for i, _ in kept], [c for _, c in kept]
+        self.row_index += index
+        self.row_coef += coef
         self.starts.append(len(self.row_index))
-        self.row_lower.append(low - const)
-        self.row_upper.append(up - const)
+        self.row_lower.append(low)
+        self.row_upper.append(up)
 
     def minimise(self, objective) -> None:
         lin = as_lin(objective)

@@ -88,15 +88,17 @@ class Arm:
 class FanOut:
     """A tensor with several uses: each distinct redistribution (an item) runs, and is paid, once.
 
-    ``ident[k]`` is ``(source layout, target key)``: two items with the same
-    ident cost the same and are shared alike, which is what dead-end
-    elimination needs to know (`autotp.solve.reduce`).
+    ``ident[k]`` numbers the item's ``(source layout, gradient slices, target
+    key)`` within the fan-out: two items with the same ident cost the same and
+    are shared alike, which is what dead-end elimination needs to know
+    (`autotp.solve.reduce`, which compares them for every model it reduces:
+    numbers, where the layouts' tuples cost a hash of every placement each time).
     """
 
     producer: str  # group
     arms: list[Arm]
     cost_s: list[float]  # per item, already times the number of identical fan-outs
-    ident: list[tuple]
+    ident: list[int]
     memory_bytes: list[int] = field(default_factory=list)  # per item: a gathered copy a use keeps for backward
 
 
@@ -401,6 +403,7 @@ class _Coster:
         f = len(self.problem.fanouts)
         regather = self.problem.regathering(self.graph.node(producer))
         index: dict[tuple, int] = {}
+        idents: dict[tuple, int] = {}  # (source layout, gradient slices, target key) -> its number (`FanOut.ident`)
         rings: dict[int, dict[int, list]] = {}  # per item, per use: (consumer, cu, cv, ring) of each pair needing it
         plain: set[int] = set()  # items a use of which no collective matmul serves: the lowering may fuse none
         again_of: dict[int, float] = {}
@@ -421,7 +424,7 @@ class _Coster:
                         index[cu, key] = len(fanout.cost_s)
                         fanout.cost_s.append(count * runs * exposed)
                         made = self.problem.strategy(producer, cu)
-                        fanout.ident.append((made.out, made.gradient_slice_axes, key))
+                        fanout.ident.append(idents.setdefault((made.out, made.gradient_slice_axes, key), len(idents)))
                         fanout.memory_bytes.append(0)
                     k = index[cu, key]
                     if served is None:
