@@ -463,9 +463,11 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
     ``beat_s`` (a plan found another way; when every branch is skipped so,
     the status is ``"Beaten"``). While there is no target, the first set
     (the largest: the most room) has every branch bounded first, each
-    relaxation's rounded plan, where it fits, taken as the target when it
-    beats it (a plan 2.7% above the optimum on Llama-2-70B at batch 8),
-    and its branch of least bound solved at once (at batch 64 the branch
+    relaxation completed to a plan (`_completed`: its few split groups
+    searched by a small MIP; 0.04% above the optimum on Llama-2-70B at
+    batch 8, where rounding gave 2.7%), where it fits, taken as the target
+    when it beats it, and told to ``found`` when within `_REPORT_WITHIN` of
+    the least bound (`_Search.report`), and its branch of least bound solved at once (at batch 64 the branch
     that recomputes every layer bounds at 9.37 s and the one that
     recomputes none at 7.29 s: solving the first, as found, cost a 4 s MIP
     for a target 28% above the optimum); every later relaxation is solved
