@@ -301,6 +301,8 @@ class _Coster:
     memo: dict = field(default_factory=dict)
     as_made: dict = field(default_factory=dict)  # per use (`_taken_as_made`)
     tables: dict = field(default_factory=dict)  # gradient tables of deferred uses, by twin
+    sides: dict = field(default_factory=dict)  # per use: `_shared`'s numbers of each side's choices, and its pairs
+    names: dict = field(default_factory=dict)  # a side's (layout, gradient axes) -> its number (`_shared`)
 
     def add_node(self, group: Group, op, count: int) -> None:
         """``count`` ops alike to ``op``: their compute, inner collectives and memory, per group choice."""
@@ -337,8 +339,40 @@ class _Coster:
         is still in both.
         """
         made = self.problem.strategy(producer, cu)
-        src = made.out
         strategy = None if consumer == OUTPUT else self.problem.strategy(consumer, cv)
+        if consumer == OUTPUT:  # the target follows the source (`output_layout`): nothing to share by
+            key, exposed, gradient, kept, regather, lone = self._use(producer, consumer, i, made, strategy)
+        else:
+            key, exposed, gradient, kept, regather, lone = self._shared(producer, consumer, i, cu, cv, made, strategy)
+        served = None
+        if lone is not None and self.problem.overlap_tp:
+            user = None if consumer == OUTPUT else self.graph.node(consumer)
+            served = ring(lone, self.graph.node(producer), made, user, strategy, i, sole, self.mesh, self.profile,
+                          self.training)
+        return key, exposed, gradient, kept, regather, served
+
+    def _shared(self, producer: str, consumer: str, i: int, cu: int, cv: int, made, strategy) -> tuple:
+        """`_use` of a pair, computed once per use for each pair of what it depends on: the producer's layout and
+        gradient slices, the consumer's layout and gradient sums (at batch 8, 59,000 distinct of the 97,000 pairs, each
+        of which took a hash of every placement of both layouts, and of the tensor's shape, to find it)."""
+        sides = self.sides.get((producer, consumer, i))
+        if sides is None:
+            sides = self.sides[producer, consumer, i] = {}, {}, {}
+        by_made, by_taken, by_pair = sides
+        if cu not in by_made:
+            by_made[cu] = self.names.setdefault((made.out, made.gradient_slice_axes), len(self.names))
+        if cv not in by_taken:
+            _, dst, _, axes = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer,
+                                         consumer, i, None, strategy)
+            by_taken[cv] = self.names.setdefault((dst, axes), len(self.names))
+        pair = by_made[cu], by_taken[cv]
+        if pair not in by_pair:
+            by_pair[pair] = self._use(producer, consumer, i, made, strategy)
+        return by_pair[pair]
+
+    def _use(self, producer: str, consumer: str, i: int, made, strategy) -> tuple:
+        """`use` with ``lone`` (`edge_cost`'s lone collective, or None) in the place of the ring."""
+        src = made.out
         meta, dst, grad, axes = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer,
                                            consumer, i, src, strategy)
         if src != dst and self._taken_as_made(producer, consumer, i):
@@ -362,9 +396,7 @@ class _Coster:
         kept = kept_use_bytes(made_by, user, i, src, dst, meta, self.mesh, self.training, gathers,
                               self.problem.recomputable)
         freed = regather_saving(made_by, src, meta, self.mesh, kept, gathers)
-        served = (ring(lone, made_by, made, user, strategy, i, sole, self.mesh, self.profile, self.training)
-                  if self.problem.overlap_tp else None)
-        return (dst, grad, axes), exposed, gradient, kept, (again, freed) if freed else _NOTHING, served
+        return (dst, grad, axes), exposed, gradient, kept, (again, freed) if freed else _NOTHING, lone
 
     def _taken_as_made(self, producer: str, consumer: str, i: int) -> bool:
         """Whether this use must take the tensor in the layout it is made in: a piece of a split, or the
