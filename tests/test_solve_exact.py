@@ -439,3 +439,38 @@ def test_a_branch_beaten_in_every_set_is_bounded_in_none(monkeypatch):
         assert solve(problem, memory_limit_bytes=limit, beat_s=limited + 1e-3).objective_s == pytest.approx(
             limited, abs=1e-9), seed
     assert any(partial), partial
+
+
+def test_the_completed_plan_keeps_the_relaxations_whole_groups_and_releases_its_pins():
+    """`_completed`, the opening target of a search under the limit: over random problems under a binding limit,
+    each branch's recompute binaries pinned as `_limited` pins them, the plan keeps every group the relaxation put
+    whole on one choice, is a plan no faster than the enumerated best under the limit where it fits, and leaves
+    the model's bounds as they were (the set's other branches use the model); some relaxations left groups split,
+    which the plan settles."""
+    from autotp.solve import ilp
+    from autotp.solve.gap import lp_relaxation_bound
+
+    completed = settled = 0
+    for seed, problem, every, memories in _solvable(range(3000, 3060)):
+        limit = memories[len(memories) // 3]
+        for kinds in kind_sets(problem):
+            variant = folded(problem, kinds)
+            lp, x = ilp._model(variant, "time", limit)
+            for fixed in ilp._branches(x):
+                ilp._fix(x, fixed)
+                if lp_relaxation_bound(lp) is None:
+                    continue
+                values, bounds = list(lp.values), (list(lp.lower), list(lp.upper))
+                choice = ilp._completed(lp, x, "highs")
+                assert (lp.lower, lp.upper) == bounds, seed
+                if choice is None:
+                    continue
+                completed += 1
+                whole = {g: c for g, xs in x.items() if g != ilp._RECOMPUTE for c, v in xs.items()
+                         if values[v.index] > ilp._WHOLE}
+                assert all(choice[g] == c for g, c in whole.items()), (seed, kinds, fixed)
+                settled += len(whole) < len(variant.groups)
+                recompute = ilp._fixed_recompute(x, fixed)
+                if recompute is not None and memory_bytes(variant, choice, recompute) <= limit:
+                    assert step_time(variant, choice, recompute).total_s >= _best(every, limit) - 1e-9, seed
+    assert completed >= 20 and settled, (completed, settled)
