@@ -282,7 +282,8 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
     more than that many times; ``costed``: the problem `cost_captured` gave
     for the same arguments (stages 2 and 3 are skipped); ``found``: told the
     step time of each better plan the search under the limit proves, as it
-    goes (`autotp.solve.ilp.solve`).
+    goes, and of its first plan where that is close to its bound
+    (`autotp.solve.ilp.solve`).
     """
     started, stages = time.perf_counter(), stages_or_silent(progress)
     mesh, profile, graph = as_mesh(mesh), load_profile(profile), captured.graph

@@ -348,7 +348,8 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     ``defer_over``: raise `MemoryBinds` instead of searching under the limit when the fastest plan (or the
     relaxation's rounded guess at it) needs more than ``defer_over`` times the limit.
     ``found(seconds)`` hears of each plan under the limit that a branch's MIP proves its best and that beats
-    the plans before it, as the search goes: a plan to beat for searches elsewhere (`autotp.lanes`).
+    the plans before it, as the search goes, and of the opening set's completed plan where it is close to its
+    bound (`_Search.report`): a plan to beat for searches elsewhere (`autotp.lanes`).
     """
     solver = backends.resolve(solver)
     lp, x = _model(problem, "time", None, reduce)
@@ -388,7 +389,7 @@ def _rounded(x: dict) -> dict[str, int]:
 _MOST_OPEN = 32  # groups a relaxation leaves split between choices, at most, for `_completed` to search them
 
 
-def _completed(lp, x: dict, solver: str) -> dict[str, int] | None:
+def _completed(lp, x: dict, solver: str, cutoff: float | None = None) -> dict[str, int] | None:
     """The fastest plan that keeps each group the LP relaxation just solved put whole on one choice: a MIP over
     the few groups it left split (Berthold's RENS), or None where there are more than `_MOST_OPEN` of them, or
     the solver is not HiGHS (whose presolve drops the pinned columns at once).
@@ -397,7 +398,8 @@ def _completed(lp, x: dict, solver: str) -> dict[str, int] | None:
     this MIP takes 0.12 s for a plan 0.036% above the optimum, where rounding each group to its largest value
     (`_rounded`) gives one 2.7% above. As the first target of `_limited` that cuts the branch's MIP from 2.25 s
     to 1.1 s (reduced-cost fixing pins 665 binaries, not 271), and a lane's plan to beat comes seconds earlier.
-    The pins are undone before it returns: the model serves the set's other branches.
+    The pins are undone before it returns: the model serves the set's other branches (its values and status are
+    the MIP's then). ``cutoff``: only a plan below it is wanted (None where there is none).
     """
     if solver != "highs" or lp.values is None:
         return None
@@ -407,10 +409,10 @@ def _completed(lp, x: dict, solver: str) -> dict[str, int] | None:
         return None
     pinned = [(v.index, lp.lower[v.index], lp.upper[v.index]) for g, cs in whole.items() if len(cs) == 1
               for c, v in x[g].items() if c != cs[0] and lp.upper[v.index] > 0.0]
-    for j, low, _ in pinned:
-        lp.set_bounds(j, low, 0.0)
     try:
-        solution = _run(lp, x, None, solver)
+        for j, low, _ in pinned:
+            lp.set_bounds(j, low, 0.0)
+        solution = _run(lp, x, None, solver, cutoff)
     finally:
         for j, low, up in pinned:
             lp.set_bounds(j, low, up)
@@ -616,7 +618,7 @@ def _may_fit(problem: Problem, fixed: dict, limit: float, reduce: bool) -> bool:
 class _Search:
     """The branches of `_limited` solved so far: the best plan, whether a bound or ``cutoff`` beat any, the time
     spent, and the solve that stopped the search (a time limit, or a failed solver); ``found`` hears of each
-    better plan a MIP proves (`solve`)."""
+    better plan a MIP proves, and of the opening set's completed plan near its bound (`solve`)."""
 
     def __init__(self, problem, limit, reduce, time_limit_s, solver, cutoff, found=None):
         self.problem, self.limit, self.reduce, self.time_limit_s, self.solver = problem, limit, reduce, time_limit_s, solver
@@ -639,17 +641,18 @@ class _Search:
         return False
 
     def offer(self, branch: "_Branch") -> bool:
-        """Take as the target the plan rounded from the branch's relaxation just solved (on its set's ILP),
-        where it fits the limit and beats the target: a plan of the model, whose step time then cuts every
-        relaxation and MIP after it (a MIP finds the best plan below it, or proves there is none). False
-        where it does not fit or is no faster."""
+        """Take as the target the plan completed (`_completed`), or else rounded, from the branch's relaxation just
+        solved (on its set's ILP), where it fits the limit and beats the target: a plan of the model, whose step
+        time then cuts every relaxation and MIP after it (a MIP finds the best plan below it, or proves there is
+        none). False where it does not fit or is no faster."""
         (lp, x), variant = branch.model, branch.variant
         recompute = _fixed_recompute(x, branch.fixed)
         if recompute is None:
             return False
-        completed = _completed(lp, x, self.solver)
+        rounded = _rounded(x)  # read before the completion's MIP leaves its own values on the model
+        completed = _completed(lp, x, self.solver, self.cutoff_now())
         choice = completed if completed is not None and memory_bytes(variant, completed, recompute) <= self.limit \
-            else _rounded(x)
+            else rounded
         if memory_bytes(variant, choice, recompute) > self.limit:
             return False
         seconds = step_time(variant, choice, recompute).total_s
