@@ -52,7 +52,11 @@ def steps_times_s(steps, mesh, profile, grad: bool, deferred: bool = False,
     ``gradient`` is non-zero only for a ``deferred`` edge whose steps are a
     pure gradient sum; everything else is on the critical path.
     """
-    forward, backward, bucketed = step_seconds(steps, mesh, profile, grad, deferred, bucket_bytes)
+    return _split(*step_seconds(steps, mesh, profile, grad, deferred, bucket_bytes))
+
+
+def _split(forward: list[float], backward: list[float], bucketed: bool) -> tuple[float, float]:
+    """`step_seconds`'s as `steps_times_s`'s ``(exposed, gradient)``."""
     return (sum(forward), sum(backward)) if bucketed else (sum(forward) + sum(backward), 0.0)
 
 
@@ -63,8 +67,15 @@ def cheapest_steps(src, dst, meta, mesh, profile, grad: bool, grad_axes=(), defe
     ``grad`` says whether the backward runs (training, and the tensor is
     differentiated); ``grad_axes`` count only then. Raises `Unsupported`.
     """
+    return _cheapest(src, dst, meta, mesh, profile, grad, grad_axes, deferred, bucket_bytes)[0]
+
+
+def _cheapest(src, dst, meta, mesh, profile, grad: bool, grad_axes, deferred: bool, bucket_bytes: int) -> tuple:
+    """`cheapest_steps`, and their `step_seconds`: each option is priced once (`edge_cost` priced the one it
+    kept twice more, a third of a costing's redistribution time)."""
     options = step_options(src, dst, meta, mesh.shape, grad_axes if grad else ())
-    return min(options, key=lambda steps: sum(steps_times_s(steps, mesh, profile, grad, deferred, bucket_bytes)))
+    priced = [(steps, step_seconds(steps, mesh, profile, grad, deferred, bucket_bytes)) for steps in options]
+    return min(priced, key=lambda option: sum(_split(*option[1])))
 
 
 def edge_times_s(src, dst, meta, mesh, profile, training: bool, requires_grad: bool, grad_axes=(),
@@ -80,11 +91,10 @@ def edge_cost(src, dst, meta, mesh, profile, training: bool, requires_grad: bool
     ``(step, forward seconds)`` when it is a single collective (`autotp.cost.collective_matmul`), else None."""
     grad = training and requires_grad
     try:
-        steps = cheapest_steps(src, dst, meta, mesh, profile, grad, grad_axes, deferred, bucket_bytes)
+        steps, (forward, backward, bucketed) = _cheapest(src, dst, meta, mesh, profile, grad, grad_axes, deferred,
+                                                         bucket_bytes)
     except Unsupported:
         return math.inf, 0.0, False, 0.0, None
     gathered = gathers(steps, mesh.shape)
-    forward, backward, bucketed = step_seconds(steps, mesh, profile, grad, deferred, bucket_bytes)
     lone = None if bucketed else lone_collective(steps, forward, backward, mesh.shape)
-    return (*steps_times_s(steps, mesh, profile, grad, deferred, bucket_bytes), gathered,
-            sum(forward) if gathered else 0.0, lone)
+    return (*_split(forward, backward, bucketed), gathered, sum(forward) if gathered else 0.0, lone)

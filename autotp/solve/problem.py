@@ -327,7 +327,7 @@ class _Coster:
     def use(self, producer: str, consumer: str, i: int, cu: int, cv: int, sole: bool = False) -> tuple:
         """``(target key, exposed, gradient, kept, regather, ring)`` of one use for one pair of choices.
 
-        The key is what the lowering shares a redistribution by (`use_target`).
+        The key is a number (`_number`) for what the lowering shares a redistribution by (`use_target`).
         ``None`` with infinite time: the pair cannot be (the pieces of a split
         are taken as produced, and so is a tensor an op writes in place). ``kept``: the bytes the redistribution leaves
         alive until backward (`kept_use_bytes`: a sum's result, an all-gathered
@@ -360,21 +360,33 @@ class _Coster:
             sides = self.sides[producer, consumer, i] = {}, {}, {}
         by_made, by_taken, by_pair = sides
         if cu not in by_made:
-            by_made[cu] = self.names.setdefault((made.out, made.gradient_slice_axes), len(self.names))
+            by_made[cu] = self._number((made.out, made.gradient_slice_axes))
         if cv not in by_taken:
-            _, dst, _, axes = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer,
-                                         consumer, i, None, strategy)
-            by_taken[cv] = self.names.setdefault((dst, axes), len(self.names))
-        pair = by_made[cu], by_taken[cv]
+            target = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer, consumer, i,
+                                None, strategy)
+            by_taken[cv] = self._number(target[1:]), target
+        taken, target = by_taken[cv]
+        pair = by_made[cu], taken
         if pair not in by_pair:
-            by_pair[pair] = self._use(producer, consumer, i, made, strategy)
+            by_pair[pair] = self._priced(producer, consumer, i, made, target, pair)
         return by_pair[pair]
+
+    def _number(self, side: tuple) -> int:
+        """``side``'s number among every side and use costed (`_shared`): a dict key that hashes at once."""
+        return self.names.setdefault(side, len(self.names))
 
     def _use(self, producer: str, consumer: str, i: int, made, strategy) -> tuple:
         """`use` with ``lone`` (`edge_cost`'s lone collective, or None) in the place of the ring."""
+        target = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer, consumer, i,
+                            made.out, strategy)
+        pair = self._number((made.out, made.gradient_slice_axes)), self._number(target[1:])
+        return self._priced(producer, consumer, i, made, target, pair)
+
+    def _priced(self, producer: str, consumer: str, i: int, made, target: tuple, pair: tuple) -> tuple:
+        """`_use` of the producer's strategy ``made`` and the use's ``target`` (`use_target`); ``pair``: the numbers
+        of both sides (`_number`), with the tensor's, what its redistribution is costed once by."""
         src = made.out
-        meta, dst, grad, axes = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer,
-                                           consumer, i, src, strategy)
+        meta, dst, grad, axes = target
         if src != dst and self._taken_as_made(producer, consumer, i):
             return None, math.inf, 0.0, 0, _NOTHING, None  # pieces of a split, or a tensor written in place
         split = made.gradient_slice_axes
@@ -382,7 +394,7 @@ class _Coster:
         if summed is None:
             return None, math.inf, 0.0, 0, _NOTHING, None
         deferred = producer in self.deferred
-        memo = (src, dst, meta, grad, summed, deferred, split)
+        memo = (*pair, self._number((meta, deferred)))
         if memo not in self.memo:
             exposed, gradient, gathers, again, lone = edge_cost(src, dst, meta, self.mesh, self.profile,
                                                                 self.training, grad, summed, deferred,
@@ -396,7 +408,7 @@ class _Coster:
         kept = kept_use_bytes(made_by, user, i, src, dst, meta, self.mesh, self.training, gathers,
                               self.problem.recomputable)
         freed = regather_saving(made_by, src, meta, self.mesh, kept, gathers)
-        return (dst, grad, axes), exposed, gradient, kept, (again, freed) if freed else _NOTHING, lone
+        return pair[1], exposed, gradient, kept, (again, freed) if freed else _NOTHING, lone
 
     def _taken_as_made(self, producer: str, consumer: str, i: int) -> bool:
         """Whether this use must take the tensor in the layout it is made in: a piece of a split, or the
@@ -435,7 +447,7 @@ class _Coster:
         f = len(self.problem.fanouts)
         regather = self.problem.regathering(self.graph.node(producer))
         index: dict[tuple, int] = {}
-        idents: dict[tuple, int] = {}  # (source layout, gradient slices, target key) -> its number (`FanOut.ident`)
+        idents: dict[tuple, int] = {}  # numbers of (source layout and gradient slices, target key) -> `FanOut.ident`
         rings: dict[int, dict[int, list]] = {}  # per item, per use: (consumer, cu, cv, ring) of each pair needing it
         plain: set[int] = set()  # items a use of which no collective matmul serves: the lowering may fuse none
         again_of: dict[int, float] = {}
@@ -456,7 +468,8 @@ class _Coster:
                         index[cu, key] = len(fanout.cost_s)
                         fanout.cost_s.append(count * runs * exposed)
                         made = self.problem.strategy(producer, cu)
-                        fanout.ident.append(idents.setdefault((made.out, made.gradient_slice_axes, key), len(idents)))
+                        made_as = self._number((made.out, made.gradient_slice_axes))
+                        fanout.ident.append(idents.setdefault((made_as, key), len(idents)))
                         fanout.memory_bytes.append(0)
                     k = index[cu, key]
                     if served is None:

@@ -103,16 +103,17 @@ def prune_unreachable(graph: OpGraph, strategies: OpStrategies) -> None:
     dropped too. Without this, identical layers sharing a choice could be tied
     to choices the ILP cannot satisfy.
     """
+    partial_axes: dict[str, set[int]] = {}  # per op, once pruned: the mesh axes some strategy leaves its output P on
     for op in graph.nodes():
         options = strategies.by_node[op.name]
-        kept = [s for s in options if _partials_reachable(s, op, strategies)]
-        strategies.by_node[op.name] = kept or [replicated_strategy(op, len(options[0].out))]
+        kept = [s for s in options if _partials_reachable(s, op, partial_axes)]
+        kept = strategies.by_node[op.name] = kept or [replicated_strategy(op, len(options[0].out))]
+        partial_axes[op.name] = {axis for s in kept for axis, p in enumerate(s.out) if isinstance(p, Partial)}
 
 
-def _partials_reachable(strategy: Strategy, op, strategies: OpStrategies) -> bool:
+def _partials_reachable(strategy: Strategy, op, partial_axes: dict[str, set[int]]) -> bool:
     for layout, producer in zip(strategy.ins, op.inputs):
         for axis, placement in enumerate(layout):
-            if isinstance(placement, Partial) and not any(
-                    isinstance(t.out[axis], Partial) for t in strategies.by_node[producer]):
+            if isinstance(placement, Partial) and axis not in partial_axes[producer]:
                 return False
     return True
