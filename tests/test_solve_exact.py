@@ -259,6 +259,10 @@ def test_the_ilp_and_the_reduction_keep_the_best_plan_of_every_random_problem(se
                 assert not beaten.value.unlimited  # without the limit it would be faster: more room may still win
             assert solve(problem, memory_limit_bytes=limit, reduce=reduce, beat_s=limited + 1e-3).objective_s == \
                 pytest.approx(limited, abs=1e-9)
+        for beat_s, unlimited in ((free, None), (-1e6, True)):  # no plan is faster, limit or not
+            with pytest.raises(NoBetterPlan) as beaten:
+                solve(problem, memory_limit_bytes=limit, reduce=reduce, beat_s=beat_s)
+            assert unlimited is None or beaten.value.unlimited  # below every relaxation: beaten even unlimited
         if problem.regather:  # one relaxation for every set bounds them all (`autotp.solve.ilp._open_everywhere`)
             optimistic = list(_plans(least_of_sets(problem)))
             assert _best(optimistic) <= free + 1e-9 and _best(optimistic, limit) <= limited + 1e-9, seed
@@ -424,8 +428,8 @@ def test_a_branch_beaten_in_every_set_is_bounded_in_none(monkeypatch):
     partial = []
     real = ilp._open_everywhere
 
-    def open_everywhere(problem, limit, reduce, search):
-        open_ = real(problem, limit, reduce, search)
+    def open_everywhere(problem, limit, reduce, search, built=None):
+        open_ = real(problem, limit, reduce, search, built)
         lp, x = ilp._model(least_of_sets(problem), "time", limit, reduce)
         partial.append(0 < len(open_) < len(ilp._branches(x)))
         return open_

@@ -130,6 +130,8 @@ class Model:
     (the warm start of a time-limited solve). ``relaxed`` caches the
     solver object of the LP relaxation, so relaxations solved one after
     another (branches that differ in bounds) start from the last basis.
+    ``labels`` names rows a caller changes later (`set_row_bounds`): the
+    ILP's memory limit, lifted for a relaxation without it.
     """
 
     def __init__(self):
@@ -150,6 +152,7 @@ class Model:
         self.values = None
         self.objective_value: float | None = None
         self.relaxed = None
+        self.labels: dict[str, list[int]] = {}
 
     @property
     def n_vars(self) -> int:
@@ -173,24 +176,30 @@ class Model:
         if self.relaxed is not None:
             self.relaxed.changeColBounds(index, float(low), float(up))
 
-    def ge(self, a, b=0.0) -> None:
-        """The row ``a >= b``."""
-        self._row(a, b, 0.0, INF)
+    def set_row_bounds(self, row: int, low: float, up: float) -> None:
+        self.row_lower[row], self.row_upper[row] = float(low), float(up)
+        if self.relaxed is not None:
+            self.relaxed.changeRowBounds(row, float(low), float(up))
 
-    def le(self, a, b=0.0) -> None:
-        """The row ``a <= b``."""
-        self._row(a, b, -INF, 0.0)
+    def ge(self, a, b=0.0) -> int:
+        """The row ``a >= b``; its number."""
+        return self._row(a, b, 0.0, INF)
 
-    def eq(self, a, b=0.0) -> None:
-        """The row ``a == b``."""
-        self._row(a, b, 0.0, 0.0)
+    def le(self, a, b=0.0) -> int:
+        """The row ``a <= b``; its number."""
+        return self._row(a, b, -INF, 0.0)
 
-    def _row(self, a, b, low: float, up: float) -> None:
+    def eq(self, a, b=0.0) -> int:
+        """The row ``a == b``; its number."""
+        return self._row(a, b, 0.0, 0.0)
+
+    def _row(self, a, b, low: float, up: float) -> int:
         """``low <= a - b <= up``, the constants moved to the bounds."""
         a, b = as_lin(a), as_lin(b)
-        self.row(a.index + b.index, a.coef + [-c for c in b.coef], low - (a.const - b.const), up - (a.const - b.const))
+        return self.row(a.index + b.index, a.coef + [-c for c in b.coef], low - (a.const - b.const),
+                        up - (a.const - b.const))
 
-    def row(self, index: list[int], coef: list[float], low: float, up: float) -> None:
+    def row(self, index: list[int], coef: list[float], low: float, up: float) -> int:
         """``low <= sum(coef * x[index]) <= up`` from the columns and coefficients themselves: what `ge`, `le` and
         `eq` come down to, called directly where a model has tens of thousands of rows (`autotp.solve.ilp`)."""
         if len(set(index)) != len(index):  # a variable named twice: one entry, its coefficients summed
@@ -206,6 +215,7 @@ class Model:
         self.starts.append(len(self.row_index))
         self.row_lower.append(low)
         self.row_upper.append(up)
+        return self.n_rows - 1
 
     def minimise(self, objective) -> None:
         lin = as_lin(objective)
