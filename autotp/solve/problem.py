@@ -302,7 +302,9 @@ class _Coster:
     as_made: dict = field(default_factory=dict)  # per use (`_taken_as_made`)
     tables: dict = field(default_factory=dict)  # gradient tables of deferred uses, by twin
     sides: dict = field(default_factory=dict)  # per use: `_shared`'s numbers of each side's choices, and its pairs
-    names: dict = field(default_factory=dict)  # a side's (layout, gradient axes) -> its number (`_shared`)
+    made_as: dict = field(default_factory=dict)  # per producer: the number of each choice's side (`_shared`)
+    tensor_of: dict = field(default_factory=dict)  # per use: the number of its tensor (`_shared`)
+    names: dict = field(default_factory=dict)  # a side or a tensor -> its number (`_number`)
 
     def add_node(self, group: Group, op, count: int) -> None:
         """``count`` ops alike to ``op``: their compute, inner collectives and memory, per group choice."""
@@ -355,9 +357,10 @@ class _Coster:
         """`_use` of a pair, computed once per use for each pair of what it depends on: the producer's layout and
         gradient slices, the consumer's layout and gradient sums (at batch 8, 59,000 distinct of the 97,000 pairs, each
         of which took a hash of every placement of both layouts, and of the tensor's shape, to find it)."""
-        sides = self.sides.get((producer, consumer, i))
+        site = producer, consumer, i
+        sides = self.sides.get(site)
         if sides is None:
-            sides = self.sides[producer, consumer, i] = {}, {}, {}
+            sides = self.sides[site] = self.made_as.setdefault(producer, {}), {}, {}
         by_made, by_taken, by_pair = sides
         if cu not in by_made:
             by_made[cu] = self._number((made.out, made.gradient_slice_axes))
@@ -365,26 +368,29 @@ class _Coster:
             target = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer, consumer, i,
                                 None, strategy)
             by_taken[cv] = self._number(target[1:]), target
+            if site not in self.tensor_of:  # the tensor and whether its gradient is bucketed: the same for every pair
+                self.tensor_of[site] = self._number((target[0], producer in self.deferred))
         taken, target = by_taken[cv]
         pair = by_made[cu], taken
         if pair not in by_pair:
-            by_pair[pair] = self._priced(producer, consumer, i, made, target, pair)
+            by_pair[pair] = self._priced(producer, consumer, i, made, target, (*pair, self.tensor_of[site]))
         return by_pair[pair]
 
     def _number(self, side: tuple) -> int:
-        """``side``'s number among every side and use costed (`_shared`): a dict key that hashes at once."""
+        """``side``'s number among every side and tensor costed (`_shared`): a dict key that hashes at once."""
         return self.names.setdefault(side, len(self.names))
 
     def _use(self, producer: str, consumer: str, i: int, made, strategy) -> tuple:
         """`use` with ``lone`` (`edge_cost`'s lone collective, or None) in the place of the ring."""
         target = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer, consumer, i,
                             made.out, strategy)
-        pair = self._number((made.out, made.gradient_slice_axes)), self._number(target[1:])
-        return self._priced(producer, consumer, i, made, target, pair)
+        numbers = (self._number((made.out, made.gradient_slice_axes)), self._number(target[1:]),
+                   self._number((target[0], producer in self.deferred)))
+        return self._priced(producer, consumer, i, made, target, numbers)
 
-    def _priced(self, producer: str, consumer: str, i: int, made, target: tuple, pair: tuple) -> tuple:
-        """`_use` of the producer's strategy ``made`` and the use's ``target`` (`use_target`); ``pair``: the numbers
-        of both sides (`_number`), with the tensor's, what its redistribution is costed once by."""
+    def _priced(self, producer: str, consumer: str, i: int, made, target: tuple, numbers: tuple) -> tuple:
+        """`_use` of the producer's strategy ``made`` and the use's ``target`` (`use_target`); ``numbers``: of both
+        sides and of the tensor (`_number`), what its redistribution is costed once by."""
         src = made.out
         meta, dst, grad, axes = target
         if src != dst and self._taken_as_made(producer, consumer, i):
@@ -394,21 +400,20 @@ class _Coster:
         if summed is None:
             return None, math.inf, 0.0, 0, _NOTHING, None
         deferred = producer in self.deferred
-        memo = (*pair, self._number((meta, deferred)))
-        if memo not in self.memo:
+        if numbers not in self.memo:
             exposed, gradient, gathers, again, lone = edge_cost(src, dst, meta, self.mesh, self.profile,
                                                                 self.training, grad, summed, deferred,
                                                                 self.problem.bucket_bytes)
             if split:
                 gradient += gradient_slice_time_s(split, local_bytes(meta, src, self.mesh.shape), self.mesh,
                                                   self.profile, self.problem.bucket_bytes)
-            self.memo[memo] = exposed, gradient, gathers, again, lone
-        exposed, gradient, gathers, again, lone = self.memo[memo]
+            self.memo[numbers] = exposed, gradient, gathers, again, lone
+        exposed, gradient, gathers, again, lone = self.memo[numbers]
         user, made_by = None if consumer == OUTPUT else self.graph.node(consumer), self.graph.node(producer)
         kept = kept_use_bytes(made_by, user, i, src, dst, meta, self.mesh, self.training, gathers,
                               self.problem.recomputable)
         freed = regather_saving(made_by, src, meta, self.mesh, kept, gathers)
-        return pair[1], exposed, gradient, kept, (again, freed) if freed else _NOTHING, lone
+        return numbers[1], exposed, gradient, kept, (again, freed) if freed else _NOTHING, lone
 
     def _taken_as_made(self, producer: str, consumer: str, i: int) -> bool:
         """Whether this use must take the tensor in the layout it is made in: a piece of a split, or the

@@ -104,16 +104,20 @@ def prune_unreachable(graph: OpGraph, strategies: OpStrategies) -> None:
     to choices the ILP cannot satisfy.
     """
     partial_axes: dict[str, set[int]] = {}  # per op, once pruned: the mesh axes some strategy leaves its output P on
+    # per strategy object (twin ops share them), by id: every one looked up was alive before the walk, so none
+    # shares an id with another (a pruned one freed meanwhile leaves its id only to objects never looked up)
+    needs: dict[int, tuple] = {}
     for op in graph.nodes():
         options = strategies.by_node[op.name]
-        kept = [s for s in options if _partials_reachable(s, op, partial_axes)]
+        kept = [s for s in options if all(axis in partial_axes[op.inputs[i]] for i, axis in _needs(s, needs))]
         kept = strategies.by_node[op.name] = kept or [replicated_strategy(op, len(options[0].out))]
         partial_axes[op.name] = {axis for s in kept for axis, p in enumerate(s.out) if isinstance(p, Partial)}
 
 
-def _partials_reachable(strategy: Strategy, op, partial_axes: dict[str, set[int]]) -> bool:
-    for layout, producer in zip(strategy.ins, op.inputs):
-        for axis, placement in enumerate(layout):
-            if isinstance(placement, Partial) and axis not in partial_axes[producer]:
-                return False
-    return True
+def _needs(strategy: Strategy, needs: dict[int, tuple]) -> tuple:
+    """``(input, mesh axis)`` of each partial sum ``strategy`` takes, looked up once per strategy object."""
+    found = needs.get(id(strategy))
+    if found is None:
+        found = needs[id(strategy)] = tuple((i, axis) for i, layout in enumerate(strategy.ins)
+                                            for axis, p in enumerate(layout) if isinstance(p, Partial))
+    return found
