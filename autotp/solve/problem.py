@@ -363,13 +363,13 @@ class _Coster:
             sides = self.sides[site] = self.made_as.setdefault(producer, {}), {}, {}
         by_made, by_taken, by_pair = sides
         if cu not in by_made:
-            by_made[cu] = self._number((made.out, made.gradient_slice_axes))
+            by_made[cu] = self._made_number(made)
         if cv not in by_taken:
             target = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer, consumer, i,
                                 None, strategy)
             by_taken[cv] = self._number(target[1:]), target
             if site not in self.tensor_of:  # the tensor and whether its gradient is bucketed: the same for every pair
-                self.tensor_of[site] = self._number((target[0], producer in self.deferred))
+                self.tensor_of[site] = self._tensor_number(producer, target)
         taken, target = by_taken[cv]
         pair = by_made[cu], taken
         if pair not in by_pair:
@@ -380,12 +380,19 @@ class _Coster:
         """``side``'s number among every side and tensor costed (`_shared`): a dict key that hashes at once."""
         return self.names.setdefault(side, len(self.names))
 
+    def _made_number(self, made) -> int:
+        """The number of a producer's side: its strategy's layout and gradient slices."""
+        return self._number((made.out, made.gradient_slice_axes))
+
+    def _tensor_number(self, producer: str, target: tuple) -> int:
+        """The number of a use's tensor (``target``'s meta, `use_target`) and whether its gradient is bucketed."""
+        return self._number((target[0], producer in self.deferred))
+
     def _use(self, producer: str, consumer: str, i: int, made, strategy) -> tuple:
         """`use` with ``lone`` (`edge_cost`'s lone collective, or None) in the place of the ring."""
         target = use_target(self.graph, self.mesh, self.training, self.whole_outputs, producer, consumer, i,
                             made.out, strategy)
-        numbers = (self._number((made.out, made.gradient_slice_axes)), self._number(target[1:]),
-                   self._number((target[0], producer in self.deferred)))
+        numbers = self._made_number(made), self._number(target[1:]), self._tensor_number(producer, target)
         return self._priced(producer, consumer, i, made, target, numbers)
 
     def _priced(self, producer: str, consumer: str, i: int, made, target: tuple, numbers: tuple) -> tuple:
@@ -473,7 +480,7 @@ class _Coster:
                         index[cu, key] = len(fanout.cost_s)
                         fanout.cost_s.append(count * runs * exposed)
                         made = self.problem.strategy(producer, cu)
-                        made_as = self._number((made.out, made.gradient_slice_axes))
+                        made_as = self._made_number(made)
                         fanout.ident.append(idents.setdefault((made_as, key), len(idents)))
                         fanout.memory_bytes.append(0)
                     k = index[cu, key]
