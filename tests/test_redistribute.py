@@ -91,3 +91,50 @@ def test_no_hierarchical_form_when_no_dim_divides_and_replay_needs_an_offered_fo
     assert replay_steps((P, P), (R, R), META, (2, 4)) == plan_steps((P, P), (R, R), META, (2, 4))
     with pytest.raises(Unsupported):
         replay_steps((P, P), (R, R), odd, (2, 2), forms={"hierarchical 0+1 outer 0 dim 0"})
+
+
+def _options_worked_out(src, dst, meta, mesh_shape, grad_axes):
+    """`step_options` computed directly, each option by `plan_steps` for one pair of sum forms: what its
+    recipes, worked out once per layouts and shape key and read for each tensor, must give."""
+    from autotp.placement import local_shape
+    from autotp.redistribute import _layout_steps, _serve_grad_axes, reduction_options, summed_axes
+
+    options = []
+    for reduction in [None] + reduction_options(summed_axes(src, dst), local_shape(meta.shape, src, mesh_shape),
+                                                mesh_shape):
+        _, rest = _serve_grad_axes(_layout_steps(src, dst, meta, mesh_shape, reduction), grad_axes)
+        grads = reduction_options(rest, local_shape(meta.shape, dst, mesh_shape), mesh_shape, grad=True)
+        options += [plan_steps(src, dst, meta, mesh_shape, grad_axes, reduction, g) for g in [None] + grads]
+    return options
+
+
+def test_step_options_read_off_recipes_match_the_steps_worked_out_for_every_tensor():
+    """The same layouts on tensors whose dims split differently (the hierarchical forms pick another dim, or
+    none) and of other sizes and dtypes: each asked after the others filled the recipes, on 2-, 3- and 4-axis
+    meshes, forward sums, gradient sums and plain moves alike."""
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    metas = [TensorMeta(shape, dtype) for shape in [(8, 8), (3, 16), (16, 3), (3, 5), (24, 6, 4), (2, 12, 8)]
+             for dtype in (torch.float32, torch.bfloat16)]
+    checked = 0
+    for mesh_shape in [(2, 4), (4, 2), (2, 3, 2), (2, 2, 2, 2), (1, 4)]:
+        places = [P, R, Shard(0), Shard(1)]
+        for _ in range(150):
+            src = tuple(rng.choice(places) for _ in mesh_shape)
+            dst = tuple(rng.choice(places[1:]) for _ in mesh_shape)
+            grad_axes = tuple(a for a in range(len(mesh_shape)) if rng.random() < 0.5)
+            for meta in rng.sample(metas, 6):
+                try:
+                    expected = _options_worked_out(src, dst, meta, mesh_shape, grad_axes)
+                except Unsupported:
+                    with pytest.raises(Unsupported):
+                        step_options(src, dst, meta, mesh_shape, grad_axes)
+                    continue
+                assert step_options(src, dst, meta, mesh_shape, grad_axes) == expected, (src, dst, meta, mesh_shape)
+                checked += 1
+    assert checked > 1000
+    forms = {s.form for options in itertools.chain([step_options((P, P), (R, R), m, (2, 4)) for m in metas])
+             for steps in options for s in steps}
+    assert "hierarchical 0+1 outer 0 dim 0" in forms and "hierarchical 0+1 outer 0 dim 1" in forms

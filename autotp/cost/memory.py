@@ -128,6 +128,16 @@ def kept_use_bytes(producer, consumer, i: int, src, dst, meta, mesh, training: b
     return kept_input_bytes(consumer, i, dst, mesh, training, layer_path(consumer) in recomputable)
 
 
+def use_traits(producer, consumer, i: int, recomputable=frozenset()) -> tuple:
+    """All that `kept_use_bytes` and `regather_saving` read of a use's two ops (``consumer`` None: an output),
+    beside the layouts, the tensor and whether it is gathered: uses alike in these keep and free alike, so a
+    costing prices each such use once (`autotp.solve.problem`)."""
+    made = (producer.requires_grad, producer.kind == KIND_PARAM or producer.keeps_output)
+    if consumer is None:
+        return made
+    return (*made, i in consumer.saves_inputs, consumer.requires_grad, layer_path(consumer) in recomputable)
+
+
 def regather_saving(producer, src, meta, mesh, kept: int, gathered: bool) -> int:
     """Bytes regathering frees of a use that keeps ``kept`` bytes: the gathered input, less the shard it keeps.
 
