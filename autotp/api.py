@@ -12,7 +12,7 @@ from autotp.capture import capture, example_specs, inputs_from_specs
 from autotp.capture.micro import batch_size, divisors, micro_batch
 from autotp.cost.memory import AUTO, TERMS, check_precision, most_bytes
 from autotp.cost.profile import load_profile
-from autotp.counts import DEFER_OVER, likely_count, search_in_order
+from autotp.counts import DEFER_OVER, leads, likely_count, search_in_order
 from autotp.errors import MemoryLimitError, PlanError
 from autotp.gcpause import collector_paused
 from autotp.graph import build_opgraph
@@ -166,9 +166,10 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
                    regather=regather, overlap_tp=overlap_tp)
     counts = micro_batch_counts(micro_batches, training, example_inputs, example_kwargs)
     likely = likely_count(counts, as_mesh(mesh), batch_size(example_inputs, example_kwargs))
-    job = _CountJob(_Captures(model, example_inputs, example_kwargs, replay_layers, stages), mesh, options, stages)
+    job = _CountJob(_Captures(model, example_inputs, example_kwargs, replay_layers, stages), mesh, options, stages,
+                    likely)
     lanes = lane_count(workers, len(counts))
-    if lanes > 1 and not job.may_bind(counts[0]):
+    if lanes > 1 and not (leads(counts, likely) and job.may_bind(likely)) and not job.may_bind(counts[0]):
         lanes = 1
     tally = search_in_lanes(job, counts, likely, lanes) if lanes > 1 else search_in_order(job, counts, likely)
     best = tally.result()
@@ -273,7 +274,7 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
                   solver: str = "auto", precision: str = AUTO, optimizer_sharding: bool = True,
                   recompute: bool | str = True, micro_batches: int = 1, beat_s: float | None = None,
                   regather: bool = True, overlap_tp: bool = True, progress: Stages | None = None,
-                  defer_over: float | None = None, costed=None, found=None) -> Plan:
+                  defer_over: float | None = None, costed=None, found=None, unlimited_bound: bool = True) -> Plan:
     """Stages 2 to 5 of `plan` on a captured model: strategies, costs, the ILP, the `Plan`.
 
     ``beat_s``: raise `NoBetterPlan` as soon as the fastest plan, without the
@@ -283,7 +284,8 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
     for the same arguments (stages 2 and 3 are skipped); ``found``: told the
     step time of each better plan the search under the limit proves, as it
     goes, and of its first plan where that is close to its bound
-    (`autotp.solve.ilp.solve`).
+    (`autotp.solve.ilp.solve`); ``unlimited_bound=False``: ``beat_s`` is not
+    first tried on the bound without the memory limit (`autotp.solve.ilp.solve`).
     """
     started, stages = time.perf_counter(), stages_or_silent(progress)
     mesh, profile, graph = as_mesh(mesh), load_profile(profile), captured.graph
@@ -298,7 +300,7 @@ def plan_captured(captured: Captured, mesh, *, training: bool = True, profile=DE
     with stages.stage("solving ILP") as stage:
         try:
             solution = solve(problem, time_limit_s, limit, solver, beat_s=beat_s, defer_over=defer_over,
-                             found=found)
+                             found=found, unlimited_bound=unlimited_bound)
         except MemoryInfeasible as exc:
             raise memory_limit_error(graph, problem, exc.smallest, mesh, training, limit, whole_outputs) from None
         stage.detail = f"{solution.variables:,} variables"
@@ -354,6 +356,7 @@ class _CountJob:
     mesh: object
     options: dict  # `plan_captured`'s keyword arguments
     stages: Stages
+    likely: int | None = None  # `autotp.counts.likely_count`
 
     def prepare(self, k: int, stages: Stages):
         """The model captured at ``k`` micro-batches (or read off two captures), and its costed problem."""
@@ -363,8 +366,11 @@ class _CountJob:
 
     def solve(self, k: int, captured: Captured, problem, beat_s: float | None, defer: bool, stages: Stages,
               found=None) -> Plan:
+        """``k``'s plan, or `NoBetterPlan` against ``beat_s``: below the likeliest count, which the plan to beat
+        comes from as a rule, more micro-batches only add work, and the bound without the limit is skipped."""
         return plan_captured(captured, self.mesh, micro_batches=k, progress=stages, beat_s=beat_s, costed=problem,
-                             defer_over=DEFER_OVER if defer else None, found=found, **self.options)
+                             defer_over=DEFER_OVER if defer else None, found=found,
+                             unlimited_bound=self.likely is None or k >= self.likely, **self.options)
 
     def may_bind(self, k: int) -> bool:
         """Whether the memory limit may bind at ``k`` micro-batches: not where every tensor of the step, unsharded

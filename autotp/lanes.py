@@ -45,7 +45,6 @@ one sample plans at one micro-batch all the same).
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import os
 import warnings
@@ -53,7 +52,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from autotp.cost.memory import AUTO
-from autotp.counts import Tally, defers, search_count, settle
+from autotp.counts import Tally, defers, distance, lead_order, leads, search_count, settle
 from autotp.errors import AutotpError, PlanError
 
 PREPARING, WAITING, SEARCHING = "preparing", "waiting", "searching"
@@ -98,8 +97,13 @@ def search_in_lanes(job, counts: list[int], likely: int | None, lanes: int) -> T
     as there is one. After the first count and the likeliest, the counts nearest the likeliest go first (at
     batch 64, 8 and 32 micro-batches before 2: the winner is 16, and its neighbours are the close calls). The
     tally is the one `autotp.counts.search_in_order` gives."""
-    order = [counts[0]] + ([likely] if defers(counts, likely) else [])
-    order += sorted((k for k in counts if k not in order), key=lambda k: _distance(k, likely))
+    if leads(counts, likely):
+        order, defer = lead_order(counts, likely), False
+    else:
+        defer = defers(counts, likely)
+        order = [counts[0]] + ([likely] if defer else [])
+        order += sorted((k for k in counts if k not in order), key=lambda k: distance(k, likely))
+    first = order[0]  # searched at once, with no plan to beat
     tally, reported = Tally(), None  # reported: the fastest plan a lane has proven so far, before its end
     pending, live = list(order), {}
     failed = {}  # count -> the AutotpError its lane raised, or None where it ended without an outcome
@@ -109,11 +113,14 @@ def search_in_lanes(job, counts: list[int], likely: int | None, lanes: int) -> T
             _release(live, target, [likely] + order if likely else order, pending)
             # a lane waiting for a plan to beat holds its costed problem: up to ``lanes`` + 1 wait at once (with
             # ``lanes`` at most, Llama-2-70B at batch 64 planned in 19.5 s, not 17.9: a core idled)
-            while pending and (_working(live) == 0 or _working(live) < lanes and len(live) - _working(live) <= lanes):
+            # with a plan to beat, what is left is work that waits on nothing: one lane more than the cores works,
+            # so that the last counts start sooner and no core idles at the end
+            busy = lanes + (target is not None)
+            while pending and (_working(live) == 0 or _working(live) < busy and len(live) - _working(live) <= lanes):
                 k = pending.pop(0)
                 if k <= tally.ceiling:
-                    live[k] = _fork(job, k, first=k == counts[0], defer=k == counts[0] and defers(counts, likely),
-                                    nice=k not in (counts[0], likely))
+                    live[k] = _fork(job, k, first=k == first, defer=defer and k == first,
+                                    nice=k not in (first, likely))
             if not live:
                 break  # every count left is above the ceiling
             for lane in _ready(live):
@@ -126,11 +133,6 @@ def search_in_lanes(job, counts: list[int], likely: int | None, lanes: int) -> T
         for lane in live.values():
             lane.stop()
     return tally
-
-
-def _distance(k: int, likely: int | None) -> tuple:
-    """How far count ``k`` is from the likeliest, in factors of two (ties: the fewer micro-batches first)."""
-    return (abs(math.log2(k / likely)) if likely else 0.0), k
 
 
 def _working(live: dict) -> int:

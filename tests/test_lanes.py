@@ -1,10 +1,12 @@
 """Micro-batch counts searched side by side (`autotp.lanes`): the plan the counts give searched in order.
 
 The GPT test model at batch 16 on a mesh of 4, under limits that make
-several counts compete: one where one micro-batch is far over the limit
-(it defers to the likeliest count, which is searched first without a plan
-to beat) and one where the first count is searched at once and the others
-wait for its plan. Each is planned with two lanes and with none, and the
+several counts compete: the likeliest count (16) splits the batch into
+more than four micro-batches, so it leads (`autotp.counts.leads`: searched
+first without a plan to beat, as in order), and one micro-batch wins where
+it fits in a third of the memory its fastest plan needs and loses where it
+needs over six times as much. On 2x2 at batch 8 the likeliest (4) does not
+lead: one micro-batch is searched first and defers to it. Each is planned with two lanes and with none, and the
 plans must be the same in every field the plan is made of. Progress lines
 come back whole and prefixed with their count; an error autotp raises in a
 lane reaches the caller as itself; a lane that dies, or fails with an
@@ -25,6 +27,7 @@ import torch
 import autotp
 from autotp.api import capture_model
 from autotp.cost.memory import most_bytes
+from autotp.counts import leads, likely_count
 from autotp.errors import MemoryLimitError, PlanError
 from autotp.lanes import lane_count
 from autotp.progress import Stages
@@ -64,8 +67,9 @@ def _same(a, b) -> None:
 
 @pytest.mark.parametrize("fraction, micro_batches", [(0.15, 4), (0.3, 1)])
 def test_counts_side_by_side_plan_as_in_order(free, fraction, micro_batches):
-    """0.15: one micro-batch is more than 4 times over (it defers, 16 is searched first), and 4 win; 0.3: one
-    micro-batch is searched at once, and wins."""
+    """16 micro-batches lead; 0.15: one micro-batch is more than 4 times over, and 4 win; 0.3: one micro-batch
+    wins."""
+    assert leads(list(range(1, BATCH + 1)), BATCH)
     in_order = _plan(fraction, free, workers=1)
     stream = io.StringIO()
     side_by_side = _plan(fraction, free, workers=2, progress=Stages(stream=stream))
@@ -159,3 +163,27 @@ def test_lane_count():
     for bad in (0, -1, "two", True, 1.5):
         with pytest.raises(PlanError, match="workers="):
             lane_count(bad, 4)
+
+
+def test_counts_side_by_side_plan_as_in_order_where_one_micro_batch_defers():
+    """On 2x2 at batch 8 the likeliest count is 4 (two samples a data-parallel replica): too few to lead. One
+    micro-batch is searched first, needs over four times a fifth of its fastest plan's memory, and defers to 4,
+    which wins; then one micro-batch is searched again, against 4's plan."""
+    mesh = autotp.Mesh("2x2", links="infiniband,nvlink")
+
+    def plan(**kwargs):
+        torch.manual_seed(0)
+        model = GPT(vocab=64, hidden=32, heads=4, layers=2, seq=8)
+        return autotp.plan(model, mesh, (torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))),
+                           profile="h100-hgx", **kwargs)
+
+    counts = [1, 2, 4, 8]
+    assert likely_count(counts, mesh, 8) == 4 and not leads(counts, 4)
+    limit = int(plan(workers=1).memory["total"] * 0.2)
+    stream = io.StringIO()
+    side_by_side = plan(memory_limit=limit, workers=2, progress=Stages(stream=stream))
+    in_order = plan(memory_limit=limit, workers=1)
+    assert in_order.micro_batches == 4 and in_order.stats["memory_bound"]
+    _same(side_by_side, in_order)
+    solves = [line for line in stream.getvalue().splitlines() if line.startswith("[1 micro-batch] solving ILP")]
+    assert len(solves) == 2  # deferred, then searched against 4's plan

@@ -252,17 +252,20 @@ def test_the_ilp_and_the_reduction_keep_the_best_plan_of_every_random_problem(se
         assert solve(problem, memory_limit_bytes=limit, reduce=reduce).objective_s == pytest.approx(
             _best(every, limit), abs=1e-9), (seed, reduce)
         free, limited = _best(every), _best(every, limit)
-        if limited > free + 1e-6:  # a plan found elsewhere as fast as the limited optimum: this one is not needed
-            for beat_s in (limited, (free + limited) / 2):  # the latter often beaten by one relaxation for all sets
+        # each outcome alike where the bound without the limit is skipped (`solve(unlimited_bound=False)`)
+        for bound in (True, False):
+            if limited > free + 1e-6:  # a plan found elsewhere as fast as the limited optimum: this one is not needed
+                for beat_s in (limited, (free + limited) / 2):  # the latter often beaten by one relaxation for all sets
+                    with pytest.raises(NoBetterPlan) as beaten:
+                        solve(problem, memory_limit_bytes=limit, reduce=reduce, beat_s=beat_s, unlimited_bound=bound)
+                    assert not beaten.value.unlimited  # without the limit it would be faster: more room may still win
+                found = solve(problem, memory_limit_bytes=limit, reduce=reduce, beat_s=limited + 1e-3,
+                              unlimited_bound=bound)
+                assert found.objective_s == pytest.approx(limited, abs=1e-9) and found.limited, (seed, bound)
+            for beat_s, unlimited in ((free, None), (-1e6, True)):  # no plan is faster, limit or not
                 with pytest.raises(NoBetterPlan) as beaten:
-                    solve(problem, memory_limit_bytes=limit, reduce=reduce, beat_s=beat_s)
-                assert not beaten.value.unlimited  # without the limit it would be faster: more room may still win
-            assert solve(problem, memory_limit_bytes=limit, reduce=reduce, beat_s=limited + 1e-3).objective_s == \
-                pytest.approx(limited, abs=1e-9)
-        for beat_s, unlimited in ((free, None), (-1e6, True)):  # no plan is faster, limit or not
-            with pytest.raises(NoBetterPlan) as beaten:
-                solve(problem, memory_limit_bytes=limit, reduce=reduce, beat_s=beat_s)
-            assert unlimited is None or beaten.value.unlimited  # below every relaxation: beaten even unlimited
+                    solve(problem, memory_limit_bytes=limit, reduce=reduce, beat_s=beat_s, unlimited_bound=bound)
+                assert unlimited is None or not bound or beaten.value.unlimited  # below every relaxation: even unlimited
         if problem.regather:  # one relaxation for every set bounds them all (`autotp.solve.ilp._open_everywhere`)
             optimistic = list(_plans(least_of_sets(problem)))
             assert _best(optimistic) <= free + 1e-9 and _best(optimistic, limit) <= limited + 1e-9, seed

@@ -330,7 +330,7 @@ class MemoryBinds(Exception):
 
 def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_bytes: float | None = None,
           solver: str = "auto", reduce: bool = True, beat_s: float | None = None,
-          defer_over: float | None = None, found=None) -> Solution:
+          defer_over: float | None = None, found=None, unlimited_bound: bool = True) -> Solution:
     """Pick one strategy per group minimising the predicted step time, within the memory limit.
 
     ``solver`` is ``"auto"``, ``"cbc"`` or ``"highs"`` (`autotp.solve.backends`).
@@ -350,9 +350,15 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
     ``found(seconds)`` hears of each plan under the limit that a branch's MIP proves its best and that beats
     the plans before it, as the search goes, and of the opening set's completed plan where it is close to its
     bound (`_Search.report`): a plan to beat for searches elsewhere (`autotp.lanes`).
+    ``unlimited_bound=False``: with ``beat_s`` and a limit, the problem is first bounded under the limit at once,
+    not without it (`_bounded_first`): where ``beat_s`` comes from a plan of more micro-batches, which only add
+    work, the bound without the limit is below it and proves nothing. Where that leaves a branch open, the
+    search goes on as it would have without the flag (the same plan, and whether memory bound it).
     """
     solver = backends.resolve(solver)
     if beat_s is not None and memory_limit_bytes is not None and time_limit_s is None and defer_over is None:
+        if not unlimited_bound:  # beaten under the limit, or searched as though nothing were skipped
+            _bounded_first(problem, memory_limit_bytes, reduce, solver, beat_s, unlimited=False)
         open_ = _bounded_first(problem, memory_limit_bytes, reduce, solver, beat_s)
         if open_ is not None:
             return _limited_or_raise(problem, memory_limit_bytes, reduce, None, solver, beat_s, 0.0, found, open_)
@@ -562,7 +568,8 @@ def _branch_bound(lp, variant: Problem, fixed: dict, limit: float, reduce: bool,
     return -math.inf if bound is None else bound
 
 
-def _bounded_first(problem: Problem, limit: float, reduce: bool, solver: str, beat_s: float) -> list[dict] | None:
+def _bounded_first(problem: Problem, limit: float, reduce: bool, solver: str, beat_s: float,
+                   unlimited: bool = True) -> list[dict] | None:
     """With a plan to beat and a memory limit, the count bounded on the one model `_open_everywhere` builds,
     before any other: the branches it leaves open, or None where memory may not bind.
 
@@ -578,9 +585,18 @@ def _bounded_first(problem: Problem, limit: float, reduce: bool, solver: str, be
     that loses under the limit a model and a relaxation more: Llama-2-70B
     at batch 64 against 7.334 s, 4 micro-batches took 1.4 s that way and
     0.8 s this one, 2 micro-batches 1.35 and 1.1 s (8 and 1 about as long).
+
+    Not ``unlimited``: the branches are bounded under the limit at once. Against
+    the 7.334 s of 16 micro-batches at batch 64, the counts below it bound at
+    5.5 to 6.4 s without the limit, which proves nothing, and the branches'
+    relaxations from scratch take about as long as from that bound's basis:
+    8 micro-batches were beaten in 0.81 s that way, not 1.41 s, one in 0.96 s,
+    not 1.55 s (2 and 4 about as long).
     """
     search = _Search(problem, limit, reduce, None, solver, beat_s * _SCALE)
     built = variant, (lp, x) = _least_model(problem, limit, reduce)
+    if not unlimited:
+        return _open_or_beaten(problem, limit, reduce, search, built, beat_s)
     limits = [(row, lp.row_lower[row], lp.row_upper[row]) for row in lp.labels.get(_LIMIT, [])]
     try:
         for row, low, _ in limits:
@@ -595,6 +611,12 @@ def _bounded_first(problem: Problem, limit: float, reduce: bool, solver: str, be
         raise NoBetterPlan(f"at least {bound / _SCALE:.6g} s (LP relaxation) >= {beat_s:.6g} s")
     if memory_bytes(problem, _rounded(x)) <= limit * (1 + _ROUNDED_MARGIN):
         return None
+    return _open_or_beaten(problem, limit, reduce, search, built, beat_s)
+
+
+def _open_or_beaten(problem: Problem, limit: float, reduce: bool, search: "_Search", built: tuple,
+                    beat_s: float) -> list[dict]:
+    """`_open_everywhere`'s branches, or `NoBetterPlan` (under the limit) where it leaves none open."""
     open_ = _open_everywhere(problem, limit, reduce, search, built)
     if not open_:
         raise NoBetterPlan(f"under the memory limit no faster than {beat_s:.6g} s", unlimited=False)
