@@ -120,6 +120,11 @@ def test_a_count_of_one_captures_its_own_copy_of_aliased_inputs():
 
 
 def test_the_micro_batch_search_reads_counts_off_and_finds_each_counts_plan():
+    """The search reads counts off two captures and finds the fastest plan of all; a count read off plans
+    exactly as its own capture does (searched alike: the search hands most counts a plan to beat, and of two
+    plans equally fast the one a search finds first depends on it)."""
+    from autotp.api import _Captures, plan_captured
+
     torch.manual_seed(0)
     model = GPT(vocab=64, hidden=32, heads=4, layers=2, seq=8)
     inputs = (torch.randint(0, 64, (16, 8)), torch.randint(0, 64, (16, 8)))
@@ -129,11 +134,18 @@ def test_the_micro_batch_search_reads_counts_off_and_finds_each_counts_plan():
     stream = io.StringIO()
     searched = autotp.plan(model, mesh, inputs, profile="h100-hgx", memory_limit=limit,
                            progress=Stages(stream=stream))
+    assert "read off batches" in stream.getvalue(), stream.getvalue()
     k = searched.micro_batches
-    assert f"batch {16 // k} read off batches" in stream.getvalue(), stream.getvalue()
     alone = autotp.plan(model, mesh, inputs, profile="h100-hgx", micro_batches=k, memory_limit=limit)
-    assert searched.predicted == alone.predicted
-    assert (searched.parameters, searched.nodes, searched.memory) == (alone.parameters, alone.nodes, alone.memory)
+    assert searched.predicted["total_s"] == pytest.approx(alone.predicted["total_s"], rel=1e-9)
+    captures = _Captures(model, inputs, {}, True, Stages(enabled=False))
+    captures.at(1), captures.at(2)  # batches 16 and 8, for real
+    for k in (searched.micro_batches, 8):  # read off them, each plans as its own capture does
+        assert captures.at(k).graph.nodes() != captures.at(1).graph.nodes()
+        off = plan_captured(captures.at(k), mesh, profile="h100-hgx", micro_batches=k, memory_limit=limit)
+        alone = autotp.plan(model, mesh, inputs, profile="h100-hgx", micro_batches=k, memory_limit=limit)
+        assert off.predicted == alone.predicted, k
+        assert (off.parameters, off.nodes, off.memory) == (alone.parameters, alone.nodes, alone.memory), k
 
 
 def test_the_search_captures_for_real_what_it_cannot_read_off():

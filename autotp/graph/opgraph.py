@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import networkx as nx
 import torch
 import torch.fx as fx
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils import _pytree as pytree
 
 from autotp.graph.flops import is_alias, op_bytes, op_flops
@@ -91,8 +92,40 @@ class OpNode:
 
 def tensor_input_nodes(node: fx.Node) -> list[fx.Node]:
     """The fx Nodes among ``node``'s args and kwargs, in flattened order, repeats kept."""
-    leaves, _ = pytree.tree_flatten((node.args, node.kwargs))
-    return [leaf for leaf in leaves if isinstance(leaf, fx.Node)]
+    return [leaf for leaf in _leaves((node.args, node.kwargs), []) if isinstance(leaf, fx.Node)]
+
+
+_SEQUENCES = (tuple, list, immutable_list)
+_MAPPINGS = (dict, immutable_dict)
+
+
+def _leaves(tree, out: list) -> list:
+    """``pytree.tree_leaves(tree)`` appended to ``out``: the containers an fx node's arguments hold walked here,
+    any other pytree node by pytree (pytree's generic walk took half of `build_opgraph`, two node walks per op)."""
+    kind = type(tree)
+    if kind in _SEQUENCES:
+        for item in tree:
+            _leaves(item, out)
+    elif kind in _MAPPINGS:
+        for item in tree.values():
+            _leaves(item, out)
+    elif isinstance(tree, tuple) or kind in pytree.SUPPORTED_NODES:
+        out.extend(pytree.tree_leaves(tree))
+    else:
+        out.append(tree)
+    return out
+
+
+def _mapped(fn, tree):
+    """``pytree.tree_map(fn, tree)``, the same way as `_leaves`: each container rebuilt as its own type."""
+    kind = type(tree)
+    if kind in _SEQUENCES:
+        return kind(_mapped(fn, item) for item in tree)
+    if kind in _MAPPINGS:
+        return kind({key: _mapped(fn, item) for key, item in tree.items()})
+    if isinstance(tree, tuple) or kind in pytree.SUPPORTED_NODES:
+        return pytree.tree_map(fn, tree)
+    return fn(tree)
 
 
 class OpGraph:
@@ -160,8 +193,8 @@ def build_opgraph(gm: fx.GraphModule, input_requires_grad=None) -> OpGraph:
                  else NOTHING)
         op = OpNode(
             name=node.name, kind=kind, target=node.target,
-            args=pytree.tree_map(lambda a: _sub(a, metas), node.args),
-            kwargs=pytree.tree_map(lambda a: _sub(a, metas), dict(node.kwargs)),
+            args=_mapped(lambda a: _sub(a, metas), node.args),
+            kwargs=_mapped(lambda a: _sub(a, metas), dict(node.kwargs)),
             inputs=in_names, in_metas=ins, out=outs, multi_output=multi,
             flops=op_flops(node.target, ins, outs) if kind == KIND_OP else 0,
             bytes=op_bytes(node.target, ins, outs) if kind == KIND_OP else 0,
