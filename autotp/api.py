@@ -168,10 +168,13 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     likely = likely_count(counts, as_mesh(mesh), batch_size(example_inputs, example_kwargs))
     job = _CountJob(_Captures(model, example_inputs, example_kwargs, replay_layers, stages), mesh, options, stages,
                     likely)
+    # the likeliest count leads only where memory may bind at it (then it may at one micro-batch too)
+    ahead = leads(counts, likely) and job.may_bind(likely)
     lanes = lane_count(workers, len(counts))
-    if lanes > 1 and not (leads(counts, likely) and job.may_bind(likely)) and not job.may_bind(counts[0]):
+    if lanes > 1 and not ahead and not job.may_bind(counts[0]):
         lanes = 1
-    tally = search_in_lanes(job, counts, likely, lanes) if lanes > 1 else search_in_order(job, counts, likely)
+    tally = (search_in_lanes(job, counts, likely, lanes, ahead) if lanes > 1
+             else search_in_order(job, counts, likely, ahead))
     best = tally.result()
     best.stats["plan_s"] = time.perf_counter() - started
     return best

@@ -94,13 +94,12 @@ class Tally:
         raise PlanError("no micro-batch count was searched; this is a bug, please report it")
 
 
-def search_in_order(job, counts: list[int], likely: int | None) -> Tally:
-    """Each count in turn, the best plan so far the one to beat: in `lead_order` where the likeliest `leads`;
-    else from one micro-batch up, and when one micro-batch is far over the limit (`DEFER_OVER`), its costed
-    problem waits while `likely_count` is searched first. The order changes the time the search takes (a good
-    plan found early lets every later relaxation stop at it), never how fast the plan it finds is (of plans as
-    fast, the one found first is kept)."""
-    ahead = leads(counts, likely)
+def search_in_order(job, counts: list[int], likely: int | None, ahead: bool = False) -> Tally:
+    """Each count in turn, the best plan so far the one to beat: in `lead_order` when ``ahead`` (the likeliest
+    `leads`, and memory may bind at it); else from one micro-batch up, and when one micro-batch is far over the
+    limit (`DEFER_OVER`), its costed problem waits while `likely_count` is searched first. The order changes the
+    time the search takes (a good plan found early lets every later relaxation stop at it), never how fast the
+    plan it finds is (of plans as fast, the one found first is kept)."""
     tally, pending, deferred = Tally(), lead_order(counts, likely) if ahead else list(counts), {}
     while pending:
         k = pending.pop(0)

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from autotp.cost.memory import AUTO
-from autotp.counts import Tally, defers, distance, lead_order, leads, search_count, settle
+from autotp.counts import Tally, defers, distance, lead_order, search_count, settle
 from autotp.errors import AutotpError, PlanError
 
 PREPARING, WAITING, SEARCHING = "preparing", "waiting", "searching"
@@ -91,13 +91,13 @@ class _Lane:
         self.conn.close()
 
 
-def search_in_lanes(job, counts: list[int], likely: int | None, lanes: int) -> Tally:
+def search_in_lanes(job, counts: list[int], likely: int | None, lanes: int, ahead: bool = False) -> Tally:
     """The counts searched side by side (the module's docstring): a lane is started while fewer than ``lanes``
     prepare or search and no more than ``lanes`` wait, and every waiting lane is handed the plan to beat as soon
     as there is one. After the first count and the likeliest, the counts nearest the likeliest go first (at
     batch 64, 8 and 32 micro-batches before 2: the winner is 16, and its neighbours are the close calls). The
-    tally is the one `autotp.counts.search_in_order` gives."""
-    if leads(counts, likely):
+    tally is the one `autotp.counts.search_in_order` gives (``ahead``: the likeliest leads, as there)."""
+    if ahead:
         order, defer = lead_order(counts, likely), False
     else:
         defer = defers(counts, likely)
