@@ -168,7 +168,9 @@ def test_lane_count():
 def test_counts_side_by_side_plan_as_in_order_where_one_micro_batch_defers():
     """On 2x2 at batch 8 the likeliest count is 4 (two samples a data-parallel replica): too few to lead. One
     micro-batch is searched first, needs over four times a fifth of its fastest plan's memory, and defers to 4,
-    which wins; then one micro-batch is searched again, against 4's plan."""
+    which wins; then one micro-batch is searched again, against 4's plan. Four micro-batches hold plans as fast
+    as each other to the solver's tolerance (1e-10), and the lanes hear of 4's plan when its search proves it
+    (`found`), so which of them comes back depends on the timing: the same count, as fast."""
     mesh = autotp.Mesh("2x2", links="infiniband,nvlink")
 
     def plan(**kwargs):
@@ -183,7 +185,7 @@ def test_counts_side_by_side_plan_as_in_order_where_one_micro_batch_defers():
     stream = io.StringIO()
     side_by_side = plan(memory_limit=limit, workers=2, progress=Stages(stream=stream))
     in_order = plan(memory_limit=limit, workers=1)
-    assert in_order.micro_batches == 4 and in_order.stats["memory_bound"]
-    _same(side_by_side, in_order)
+    assert in_order.micro_batches == side_by_side.micro_batches == 4 and in_order.stats["memory_bound"]
+    assert side_by_side.predicted["total_s"] == pytest.approx(in_order.predicted["total_s"], rel=1e-9)
     solves = [line for line in stream.getvalue().splitlines() if line.startswith("[1 micro-batch] solving ILP")]
     assert len(solves) == 2  # deferred, then searched against 4's plan
