@@ -139,10 +139,11 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
       may run it as k micro-batches of batch/k (gradients summed once, after
       the last), ``plan.micro_batches`` says k and `autotp.runtime.accumulate`
       runs them. ``"auto"`` (training) tries k = 1, 2, ... (divisors of the
-      batch) while memory binds and keeps the fastest plan (when k = 1 is
-      memory bound by more than `DEFER_OVER` times, `likely_count` is
-      searched first, so its plan cuts the others' search short); an int
-      fixes k;
+      batch) while memory binds and keeps the fastest plan (`likely_count`
+      is searched first where it splits the batch into more than
+      `DEFER_OVER` micro-batches and memory may bind at it, `leads`, or
+      where k = 1 is memory bound by more than `DEFER_OVER` times, so its
+      plan cuts the others' search short); an int fixes k;
     * ``workers``: how many micro-batch counts are searched at once, each in
       a process forked from this one (`autotp.lanes`: the same plan as one
       at a time); ``"auto"`` is one per core this process may use, ``1``

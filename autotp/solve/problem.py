@@ -393,7 +393,7 @@ class _Coster:
     def _site_number(self, producer: str, consumer: str, i: int) -> int:
         """The number of what `_priced` reads of a use beside its two sides and its tensor: whether it must take
         the tensor as made (`_taken_as_made`), and its ops' `use_traits`. Uses alike in it, in their sides and
-        in their tensor are priced alike: at batch 8, 59,000 pairs of uses are priced as 15,000."""
+        in their tensor are priced alike: at batch 8, 59,000 pairs of uses are priced as 21,800."""
         user = None if consumer == OUTPUT else self.graph.node(consumer)
         traits = use_traits(self.graph.node(producer), user, i, self.problem.recomputable)
         return self._number((_SITE, self._taken_as_made(producer, consumer, i), traits))
