@@ -6,6 +6,9 @@
   cutoff itself when the optimum is above it (the dual simplex stopped
   early), the optimum when below; bounds changed between relaxations reach
   the solver that kept its basis.
+* An iteration budget stops the simplex where it says, and the next solve
+  goes on from that basis; a relaxation not settled within its quick budget
+  asks whether it can fit at all, and believes the answer.
 """
 
 from __future__ import annotations
@@ -77,3 +80,37 @@ def test_a_relaxation_with_a_cutoff_stops_there_or_gives_its_optimum():
     assert lp_relaxation_bound(m) > optimum
     m.set_bounds(x[pinned].index, 0.0, 1.0)
     assert lp_relaxation_bound(m) == pytest.approx(optimum)
+
+
+@pytest.mark.skipif(not backends.highs_available(), reason="iteration budgets are HiGHS's simplex limit")
+def test_an_iteration_budget_stops_the_simplex_and_the_next_solve_goes_on_from_its_basis():
+    m, _ = _packing(seed=1)
+    whole, _ = _packing(seed=1)
+    backends.solve_lp(whole, None)
+    needed = whole.relaxed.getInfo().simplex_iteration_count
+    assert needed > 20
+    backends.solve_lp(m, None, iterations=needed // 4)
+    assert m.status == "Not Solved" and not m.proven
+    assert m.relaxed.getInfo().simplex_iteration_count == needed // 4
+    backends.solve_lp(m, None)  # no budget: it settles, from the basis it stopped at
+    assert m.status == "Optimal" and m.proven
+    assert m.objective_value == pytest.approx(whole.objective_value)
+    assert m.relaxed.getInfo().simplex_iteration_count < needed
+
+
+@pytest.mark.skipif(not backends.highs_available(), reason="the quick check follows HiGHS's iteration budget")
+def test_a_relaxation_not_settled_within_its_quick_budget_asks_infeasible_and_believes_it(monkeypatch):
+    from autotp.solve import gap
+
+    m, _ = _packing(seed=2)
+    optimum = lp_relaxation_bound(m)
+    asked = []
+    monkeypatch.setattr(gap, "SIMPLEX_QUICK_ITERATIONS", 5)
+    m.relaxed = None
+    assert lp_relaxation_bound(m, infeasible=lambda: asked.append(1) or False) == pytest.approx(optimum)
+    assert asked == [1]  # asked once, said "may fit": the simplex went on to the optimum
+    m.relaxed = None
+    assert lp_relaxation_bound(m, infeasible=lambda: True) is None and m.status == "Infeasible"
+    monkeypatch.setattr(gap, "SIMPLEX_QUICK_ITERATIONS", 10**6)
+    m.relaxed = None
+    assert lp_relaxation_bound(m, infeasible=lambda: pytest.fail("settled within its budget")) == pytest.approx(optimum)

@@ -341,7 +341,7 @@ def test_the_quick_proof_that_a_branch_cannot_fit_keeps_the_optimum(monkeypatch)
     from autotp.solve import gap
     from autotp.solve.ilp import _may_fit
 
-    monkeypatch.setattr(gap, "SIMPLEX_QUICK_S", 0.0)
+    monkeypatch.setattr(gap, "SIMPLEX_QUICK_ITERATIONS", 0)
     ruled_out = 0
     for seed, problem, every, memories in _solvable(range(1000, 1020)):
         for limit in (memories[0], memories[len(memories) // 3]):

@@ -72,7 +72,8 @@ def solve_mip(model, name: str, time_limit_s: float | None, cutoff: float | None
         _cbc(model, integral=True, time_limit_s=time_limit_s)
 
 
-def solve_lp(model, time_limit_s: float | None, interior: bool = False, cutoff: float | None = None) -> None:
+def solve_lp(model, time_limit_s: float | None, interior: bool = False, cutoff: float | None = None,
+             iterations: int | None = None) -> None:
     """Solve ``model``'s LP relaxation (integrality dropped): HiGHS's simplex when installed, else CBC's.
 
     HiGHS is the robust one: CBC's simplex has been seen to run for over twenty
@@ -86,6 +87,9 @@ def solve_lp(model, time_limit_s: float | None, interior: bool = False, cutoff: 
     minutes over (an infeasible one, in phase 1). ``cutoff``: the dual
     simplex stops once its objective, a lower bound of the optimum at every
     iteration, passes it (status `CUT_OFF`; HiGHS's ``objective_bound``).
+    ``iterations``: the simplex stops after that many (``"Not Solved"`` unless
+    it settled), and the next call goes on from where it stopped: a budget
+    that, unlike a time limit, is the same work on any machine under any load.
     """
     if not highs_available():
         _cbc(model, integral=False, time_limit_s=time_limit_s)
@@ -96,9 +100,13 @@ def solve_lp(model, time_limit_s: float | None, interior: bool = False, cutoff: 
     h = model.relaxed
     # HiGHS's clock runs on over an object's solves, and its time limit is read against it
     _options(h, time_limit=h.getRunTime() + _limit(time_limit_s), solver="ipm" if interior else "simplex",
-             run_crossover="off" if interior else "on", objective_bound=math.inf if cutoff is None else cutoff)
+             run_crossover="off" if interior else "on", objective_bound=math.inf if cutoff is None else cutoff,
+             simplex_iteration_limit=_NO_LIMIT if iterations is None else int(iterations))
     h.run()
     _read(model, h)
+
+
+_NO_LIMIT = 2**31 - 1  # HiGHS's largest iteration limit (its default)
 
 
 def _limit(time_limit_s: float | None) -> float:

@@ -28,9 +28,14 @@ from autotp.errors import SolverGapWarning
 from autotp.solve.backends import CUT_OFF, highs_available, solve_lp
 
 LP_MIN_LIMIT_S = 10.0  # the relaxation is one LP, far cheaper than the integer search it bounds
-# HiGHS's simplex settles most relaxations here in a second or two, but can spend minutes proving one infeasible
-SIMPLEX_FIRST_S = 10.0
-SIMPLEX_QUICK_S = 2.0  # a relaxation not settled by then may be infeasible: worth a cheaper proof (above)
+# HiGHS's simplex settles the relaxations here in 1,000 to 7,500 iterations (Llama-2-70B on 4x8, batches 8 and 64:
+# a second or two), but can spend minutes proving one infeasible. Its budgets are iterations, not seconds, so that
+# the search takes the same path on any machine under any load: on a machine half as fast, or sharing its cores
+# with another lane, two seconds were some 1,500 iterations, and relaxations that settled 100 iterations later
+# were asked the cheaper proof below first (3 s each at batch 8).
+SIMPLEX_QUICK_ITERATIONS = 10_000  # a relaxation not settled by then may be infeasible: worth a cheaper proof
+SIMPLEX_FIRST_ITERATIONS = 50_000  # nor by then: the interior-point method takes over
+SIMPLEX_FIRST_S = 10.0  # under a time limit, the simplex's share of it at most
 
 
 def replicated_choices(problem) -> dict[str, int]:
@@ -98,7 +103,7 @@ def lp_relaxation_bound(model, time_limit_s: float | None = None, cutoff: float 
     bound at every iteration) passes ``cutoff``, and ``cutoff`` is returned:
     all a caller that skips what the cutoff beats needs, in a fraction of
     the time. ``infeasible()``, when given, is asked once the simplex has
-    run `SIMPLEX_QUICK_S` without settling: a cheaper proof that no
+    run `SIMPLEX_QUICK_ITERATIONS` without settling: a cheaper proof that no
     fractional plan exists (the least memory any reaches, over the limit;
     the simplex spends its longest runs proving just that). If it says so,
     ``model.status`` is ``"Infeasible"`` and None is returned; else the
@@ -110,28 +115,30 @@ def lp_relaxation_bound(model, time_limit_s: float | None = None, cutoff: float 
     infeasible). The LP gets its own limit, at least `LP_MIN_LIMIT_S`: a limit
     too small for the solver to read the problem would leave every gap
     unknown. HiGHS solves it when installed, else CBC
-    (`autotp.solve.backends.solve_lp`): its simplex for `SIMPLEX_FIRST_S`
-    (a second or two on most; well under one from the last relaxation's
-    basis), then, if that did not settle it, its interior point method for
+    (`autotp.solve.backends.solve_lp`): its simplex for
+    `SIMPLEX_FIRST_ITERATIONS` (and at most `SIMPLEX_FIRST_S` of a time
+    limit), then, if that did not settle it, its interior point method for
     the rest of the limit.
     """
+    highs = highs_available()
     if time_limit_s is not None:
         time_limit_s = max(time_limit_s, LP_MIN_LIMIT_S)
-    first = SIMPLEX_FIRST_S if time_limit_s is None else min(time_limit_s, SIMPLEX_FIRST_S)
+    first = None if time_limit_s is None else min(time_limit_s, SIMPLEX_FIRST_S)
     started = time.perf_counter()
-    quick = infeasible is not None and highs_available() and first > SIMPLEX_QUICK_S
+    quick = infeasible is not None and highs
     if quick:
-        solve_lp(model, SIMPLEX_QUICK_S, cutoff=cutoff)
+        solve_lp(model, first, cutoff=cutoff, iterations=SIMPLEX_QUICK_ITERATIONS)
         if model.status == "Not Solved" and infeasible():
             model.status = "Infeasible"
             return None
-        first -= time.perf_counter() - started
     if not quick or model.status == "Not Solved":  # the simplex goes on from its last basis
-        solve_lp(model, first if highs_available() else time_limit_s, cutoff=cutoff)
+        budget = SIMPLEX_FIRST_ITERATIONS - (SIMPLEX_QUICK_ITERATIONS if quick else 0)
+        spent = time.perf_counter() - started
+        solve_lp(model, (None if first is None else max(0.0, first - spent)) if highs else time_limit_s,
+                 cutoff=cutoff, iterations=budget if highs else None)
     if model.status == CUT_OFF:
         return cutoff
-    if (not model.proven and model.status != "Infeasible" and highs_available()
-            and (time_limit_s is None or time_limit_s > first)):
+    if not model.proven and model.status != "Infeasible" and highs:
         rest = None if time_limit_s is None else time_limit_s - (time.perf_counter() - started)
         if rest is None or rest > 0:
             solve_lp(model, rest, interior=True)
