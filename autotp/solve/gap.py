@@ -132,10 +132,12 @@ def lp_relaxation_bound(model, time_limit_s: float | None = None, cutoff: float 
             model.status = "Infeasible"
             return None
     if not quick or model.status == "Not Solved":  # the simplex goes on from its last basis
-        budget = SIMPLEX_FIRST_ITERATIONS - (SIMPLEX_QUICK_ITERATIONS if quick else 0)
-        spent = time.perf_counter() - started
-        solve_lp(model, (None if first is None else max(0.0, first - spent)) if highs else time_limit_s,
-                 cutoff=cutoff, iterations=budget if highs else None)
+        if highs:
+            left = None if first is None else max(0.0, first - (time.perf_counter() - started))
+            solve_lp(model, left, cutoff=cutoff,
+                     iterations=SIMPLEX_FIRST_ITERATIONS - (SIMPLEX_QUICK_ITERATIONS if quick else 0))
+        else:
+            solve_lp(model, time_limit_s, cutoff=cutoff)
     if model.status == CUT_OFF:
         return cutoff
     if not model.proven and model.status != "Infeasible" and highs:
