@@ -448,6 +448,49 @@ def test_a_branch_beaten_in_every_set_is_bounded_in_none(monkeypatch):
     assert any(partial), partial
 
 
+def test_the_sets_models_built_ahead_are_the_ones_the_search_solves(monkeypatch):
+    """Without a plan to beat, the sets' models start building while the relaxation without the limit solves
+    (`autotp.solve.ilp._Builder.ahead`): where memory binds the search takes them and builds none again, with the
+    enumerated optimum; where the most memory any plan may need fits twice over (`_most_bytes`), none at all."""
+    from autotp.solve import ilp
+
+    builders, built, events = [], [], []
+    real_init, real_build, real_bound = ilp._Builder.__init__, ilp._Builder._build, ilp.lp_relaxation_bound
+
+    def init(self, problem, limit, reduce, sets):
+        builders.append(len(sets))
+        events.append("builder")
+        real_init(self, problem, limit, reduce, sets)
+
+    def bound(*args, **kwargs):
+        events.append("relaxation")
+        return real_bound(*args, **kwargs)
+
+    def build(problem, kinds, limit, reduce):
+        built.append(kinds)
+        return real_build(problem, kinds, limit, reduce)
+
+    monkeypatch.setattr(ilp._Builder, "__init__", init)
+    monkeypatch.setattr(ilp._Builder, "_build", staticmethod(build))
+    monkeypatch.setattr(ilp, "lp_relaxation_bound", bound)
+    searched = 0
+    for seed, problem, every, memories in _solvable(range(4000, 4030)):
+        limit = memories[len(memories) // 3]
+        if len(kind_sets(problem)) < 2 or _best(every, limit) is None or _best(every, limit) <= _best(every) + 1e-9:
+            continue  # memory must bind, over several sets
+        builders.clear(), built.clear(), events.clear()
+        assert solve(problem, memory_limit_bytes=limit).objective_s == pytest.approx(_best(every, limit), abs=1e-9)
+        assert builders == [len(kind_sets(problem))], seed  # one builder, started before the first relaxation:
+        assert events[:2] == ["builder", "relaxation"], (seed, events[:3])
+        assert len(built) == len(set(built)), seed  # no set's model built twice
+        searched += 1
+        builders.clear()
+        assert solve(problem, memory_limit_bytes=2 * ilp._most_bytes(problem)).objective_s == pytest.approx(
+            _best(every), abs=1e-9)
+        assert builders == [], seed
+    assert searched >= 3, searched
+
+
 def test_the_completed_plan_keeps_the_relaxations_whole_groups_and_releases_its_pins():
     """`_completed`, the opening target of a search under the limit: over random problems under a binding limit,
     each branch's recompute binaries pinned as `_limited` pins them, the plan keeps every group the relaxation put

@@ -363,28 +363,35 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
         if open_ is not None:
             return _limited_or_raise(problem, memory_limit_bytes, reduce, None, solver, beat_s, 0.0, found, open_)
     lp, x = _model(problem, "time", None, reduce)
-    relaxed = None
-    if (beat_s is not None or memory_limit_bytes is not None) and time_limit_s is None:
-        # the LP relaxation bounds the fastest plan from below, at a fraction of the MIP's time (its values
-        # would spoil a time-limited solve's warm start), and its rounding says whether memory likely binds
-        bound = lp_relaxation_bound(lp)
-        if beat_s is not None and bound is not None and bound / _SCALE >= beat_s * (1 + _BOUND_MARGIN):
-            raise NoBetterPlan(f"at least {bound / _SCALE:.6g} s (LP relaxation) >= {beat_s:.6g} s")
-        relaxed = _rounded(x) if bound is not None and memory_limit_bytes is not None else None
-    if relaxed is not None and memory_bytes(problem, relaxed) > memory_limit_bytes * (1 + _ROUNDED_MARGIN):
-        if defer_over is not None and memory_bytes(problem, relaxed) > defer_over * memory_limit_bytes:
+    ahead = _Builder.ahead(problem, memory_limit_bytes, reduce, time_limit_s)  # while the relaxation solves
+    try:
+        relaxed = None
+        if (beat_s is not None or memory_limit_bytes is not None) and time_limit_s is None:
+            # the LP relaxation bounds the fastest plan from below, at a fraction of the MIP's time (its values
+            # would spoil a time-limited solve's warm start), and its rounding says whether memory likely binds
+            bound = lp_relaxation_bound(lp)
+            if beat_s is not None and bound is not None and bound / _SCALE >= beat_s * (1 + _BOUND_MARGIN):
+                raise NoBetterPlan(f"at least {bound / _SCALE:.6g} s (LP relaxation) >= {beat_s:.6g} s")
+            relaxed = _rounded(x) if bound is not None and memory_limit_bytes is not None else None
+        if relaxed is not None and memory_bytes(problem, relaxed) > memory_limit_bytes * (1 + _ROUNDED_MARGIN):
+            if defer_over is not None and memory_bytes(problem, relaxed) > defer_over * memory_limit_bytes:
+                raise MemoryBinds()
+            return _limited_or_raise(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s, 0.0, found,
+                                     built=ahead)
+        free = _run(lp, x, time_limit_s, solver)
+        if beat_s is not None and free.status == "Optimal" and free.objective_s / _SCALE >= beat_s:
+            raise NoBetterPlan(f"{free.objective_s / _SCALE:.6g} s >= {beat_s:.6g} s")
+        if memory_limit_bytes is None or (free.status == "Optimal"
+                                          and memory_bytes(problem, free.choice, free.recompute) <= memory_limit_bytes):
+            return _finish(free, time_limit_s)
+        if (defer_over is not None and free.status == "Optimal"
+                and memory_bytes(problem, free.choice, free.recompute) > defer_over * memory_limit_bytes):
             raise MemoryBinds()
-        return _limited_or_raise(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s, 0.0, found)
-    free = _run(lp, x, time_limit_s, solver)
-    if beat_s is not None and free.status == "Optimal" and free.objective_s / _SCALE >= beat_s:
-        raise NoBetterPlan(f"{free.objective_s / _SCALE:.6g} s >= {beat_s:.6g} s")
-    if memory_limit_bytes is None or (free.status == "Optimal"
-                                      and memory_bytes(problem, free.choice, free.recompute) <= memory_limit_bytes):
-        return _finish(free, time_limit_s)
-    if (defer_over is not None and free.status == "Optimal"
-            and memory_bytes(problem, free.choice, free.recompute) > defer_over * memory_limit_bytes):
-        raise MemoryBinds()
-    return _limited_or_raise(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s, free.solve_s, found)
+        return _limited_or_raise(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s, free.solve_s,
+                                 found, built=ahead)
+    finally:
+        if ahead is not None:
+            ahead.close()
 
 
 _ROUNDED_MARGIN = 0.05  # a rounded relaxation this far over the limit: the fastest plan almost surely does not fit
@@ -434,9 +441,10 @@ _WHOLE = 1.0 - 1e-6  # a relaxation's value this close to 1 puts the group whole
 
 
 def _limited_or_raise(problem: Problem, memory_limit_bytes: float, reduce: bool, time_limit_s, solver: str,
-                      beat_s: float | None, earlier_s: float, found=None, open_: list | None = None) -> Solution:
+                      beat_s: float | None, earlier_s: float, found=None, open_: list | None = None,
+                      built: "_Builder | None" = None) -> Solution:
     """The fastest plan under the limit (`_limited`), or the error that says there is none."""
-    solution = _limited(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s, found, open_)
+    solution = _limited(problem, memory_limit_bytes, reduce, time_limit_s, solver, beat_s, found, open_, built)
     if solution.status == "Beaten":
         raise NoBetterPlan(f"under the memory limit no faster than {beat_s:.6g} s", unlimited=False)
     if solution.status == "Infeasible":
@@ -462,7 +470,8 @@ def _effective(problem: Problem, solution: Solution) -> Solution:
 
 
 def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver: str,
-             beat_s: float | None = None, found=None, open_: list | None = None) -> Solution:
+             beat_s: float | None = None, found=None, open_: list | None = None,
+             built: "_Builder | None" = None) -> Solution:
     """The fastest plan under the memory limit, over every set of regathered kinds (`autotp.solve.regather`).
 
     Each set is its own problem, and each is cut further into *branches*,
@@ -510,7 +519,7 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
         open_ = _open_everywhere(problem, limit, reduce, search)
         if not open_:
             return search.result()
-    with _Builder(problem, limit, reduce, bounded) as built:
+    with built if built is not None and bounded else _Builder(problem, limit, reduce, bounded) as built:
         for kinds in bounded:
             variant, model = built.next()
             opening = search.target() is None  # no target yet: every branch of this set bounded, its best solved
@@ -668,14 +677,38 @@ class _Builder:
         variant = folded(problem, kinds)
         return variant, _model(variant, "time", limit, reduce)
 
+    @classmethod
+    def ahead(cls, problem, limit: float | None, reduce: bool, time_limit_s) -> "_Builder | None":
+        """The sets' models started now, while the relaxation without the limit solves and says whether the
+        search under the limit is needed (the first set's model then waits no longer: a second at
+        Llama-2-70B), or None where no search under the limit can follow (no limit, or `_most_bytes` fits
+        it) or the search builds each set's model when it solves it (a time limit)."""
+        if limit is None or time_limit_s is not None or _most_bytes(problem) <= limit:
+            return None
+        return cls(problem, limit, reduce, kind_sets(problem))
+
     def next(self):
         return self.pending.pop(0).result()
+
+    def close(self) -> None:
+        """No more models: the one being built is left to finish, and dropped."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)  # a search that returns early builds no more
+
+
+def _most_bytes(problem: Problem) -> float:
+    """The most memory any plan may need, recomputing and regathering nothing: every piece's largest bytes (a
+    group's of a finite cost, an edge's pair's, each fan-out item's), summed. Where that fits the limit, no
+    search under it can follow, and no model under it is built ahead."""
+    groups = sum(max((b for b, c in zip(g.memory_bytes, g.cost_s) if math.isfinite(c)), default=0)
+                 for g in problem.groups.values())
+    edges = sum(max((max(row, default=0) for row in table), default=0) for table in problem.edge_memory.values())
+    return groups + edges + sum(sum(f.memory_bytes) for f in problem.fanouts)
 
 
 def _may_fit(problem: Problem, fixed: dict, limit: float, reduce: bool) -> bool:
