@@ -451,7 +451,7 @@ def test_a_branch_beaten_in_every_set_is_bounded_in_none(monkeypatch):
 def test_the_sets_models_built_ahead_are_the_ones_the_search_solves(monkeypatch):
     """Without a plan to beat, the sets' models start building while the relaxation without the limit solves
     (`autotp.solve.ilp._Builder.ahead`): where memory binds the search takes them and builds none again, with the
-    enumerated optimum; where the most memory any plan may need fits twice over (`_most_bytes`), none at all."""
+    enumerated optimum; where the most memory any plan may need fits twice over (`_most_plan_bytes`), none at all."""
     from autotp.solve import ilp
 
     builders, built, events = [], [], []
@@ -478,14 +478,15 @@ def test_the_sets_models_built_ahead_are_the_ones_the_search_solves(monkeypatch)
         limit = memories[len(memories) // 3]
         if len(kind_sets(problem)) < 2 or _best(every, limit) is None or _best(every, limit) <= _best(every) + 1e-9:
             continue  # memory must bind, over several sets
-        builders.clear(), built.clear(), events.clear()
+        for log in (builders, built, events):
+            log.clear()
         assert solve(problem, memory_limit_bytes=limit).objective_s == pytest.approx(_best(every, limit), abs=1e-9)
         assert builders == [len(kind_sets(problem))], seed  # one builder, started before the first relaxation:
         assert events[:2] == ["builder", "relaxation"], (seed, events[:3])
         assert len(built) == len(set(built)), seed  # no set's model built twice
         searched += 1
         builders.clear()
-        assert solve(problem, memory_limit_bytes=2 * ilp._most_bytes(problem)).objective_s == pytest.approx(
+        assert solve(problem, memory_limit_bytes=2 * ilp._most_plan_bytes(problem)).objective_s == pytest.approx(
             _best(every), abs=1e-9)
         assert builders == [], seed
     assert searched >= 3, searched

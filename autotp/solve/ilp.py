@@ -519,7 +519,7 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
         open_ = _open_everywhere(problem, limit, reduce, search)
         if not open_:
             return search.result()
-    with built if built is not None and bounded else _Builder(problem, limit, reduce, bounded) as built:
+    with built if built is not None else _Builder(problem, limit, reduce, bounded) as built:
         for kinds in bounded:
             variant, model = built.next()
             opening = search.target() is None  # no target yet: every branch of this set bounded, its best solved
@@ -681,9 +681,9 @@ class _Builder:
     def ahead(cls, problem, limit: float | None, reduce: bool, time_limit_s) -> "_Builder | None":
         """The sets' models started now, while the relaxation without the limit solves and says whether the
         search under the limit is needed (the first set's model then waits no longer: a second at
-        Llama-2-70B), or None where no search under the limit can follow (no limit, or `_most_bytes` fits
+        Llama-2-70B), or None where no search under the limit can follow (no limit, or `_most_plan_bytes` fits
         it) or the search builds each set's model when it solves it (a time limit)."""
-        if limit is None or time_limit_s is not None or _most_bytes(problem) <= limit:
+        if limit is None or time_limit_s is not None or _most_plan_bytes(problem) <= limit:
             return None
         return cls(problem, limit, reduce, kind_sets(problem))
 
@@ -701,10 +701,11 @@ class _Builder:
         self.pool.shutdown(wait=True, cancel_futures=True)  # a search that returns early builds no more
 
 
-def _most_bytes(problem: Problem) -> float:
+def _most_plan_bytes(problem: Problem) -> float:
     """The most memory any plan may need, recomputing and regathering nothing: every piece's largest bytes (a
-    group's of a finite cost, an edge's pair's, each fan-out item's), summed. Where that fits the limit, no
-    search under it can follow, and no model under it is built ahead."""
+    group's of a finite cost, an edge's pair's, each fan-out item's), summed; the problem's counterpart of the
+    graph's `autotp.cost.memory.most_bytes`. Where that fits the limit, no search under it can follow, and no
+    model under it is built ahead."""
     groups = sum(max((b for b, c in zip(g.memory_bytes, g.cost_s) if math.isfinite(c)), default=0)
                  for g in problem.groups.values())
     edges = sum(max((max(row, default=0) for row in table), default=0) for table in problem.edge_memory.values())
