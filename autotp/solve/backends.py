@@ -18,8 +18,7 @@ combination of a small row's binaries, run again at each restart): the
 MIPs that prove Llama-2-70B's plans close at the root node, and it removed
 9 columns of 43,000 there (the CPU seconds of the four such MIPs at batches
 8 and 64, three runs each: 2.5, 2.2, 4.1 and 1.8 s with it, 1.7, 1.5, 2.6
-and 1.8 s
-without; the optima the same). An LP relaxation alone
+and 1.8 s without; the optima the same). An LP relaxation alone
 runs without presolve: HiGHS's dual simplex solves these in about a
 second from the raw model, where presolving them first took 3 to 66 s. CBC runs
 without its feasibility pump (seconds spent before the branching that
