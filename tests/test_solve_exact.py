@@ -47,7 +47,7 @@ from autotp.solve.ilp import _BYTES, MemoryInfeasible, NoBetterPlan, solve
 from autotp.solve.prefetch import prefetch_times_s
 from autotp.solve.problem import Arm, FanOut, Group, Problem
 from autotp.solve.recompute import Recompute
-from autotp.solve.regather import KINDS, Regather, folded, kind_sets, least_of_sets
+from autotp.solve.regather import KINDS, Regather, families, family, folded, kind_sets, least_of_sets, split_kind
 from autotp.solve.reduce import reduce_problem
 from autotp.solve.step import memory_bytes, step_time
 
@@ -431,10 +431,11 @@ def test_a_branch_beaten_in_every_set_is_bounded_in_none(monkeypatch):
     partial = []
     real = ilp._open_everywhere
 
-    def open_everywhere(problem, limit, reduce, search, built=None):
-        open_ = real(problem, limit, reduce, search, built)
-        lp, x = ilp._model(least_of_sets(problem), "time", limit, reduce)
-        partial.append(0 < len(open_) < len(ilp._branches(x)))
+    def open_everywhere(problem, limit, reduce, search, built=None, among=None):
+        open_ = real(problem, limit, reduce, search, built, among)
+        if among is None:  # every branch of every set: not a family's
+            lp, x = ilp._model(least_of_sets(problem), "time", limit, reduce)
+            partial.append(0 < len(open_) < len(ilp._branches(x)))
         return open_
 
     monkeypatch.setattr(ilp, "_open_everywhere", open_everywhere)
@@ -457,18 +458,18 @@ def test_the_sets_models_built_ahead_are_the_ones_the_search_solves(monkeypatch)
     builders, built, events = [], [], []
     real_init, real_build, real_bound = ilp._Builder.__init__, ilp._Builder._build, ilp.lp_relaxation_bound
 
-    def init(self, problem, limit, reduce, sets):
-        builders.append(len(sets))
+    def init(self, problem, limit, reduce, keys):
+        builders.append(list(keys))
         events.append("builder")
-        real_init(self, problem, limit, reduce, sets)
+        real_init(self, problem, limit, reduce, keys)
 
     def bound(*args, **kwargs):
         events.append("relaxation")
         return real_bound(*args, **kwargs)
 
-    def build(problem, kinds, limit, reduce):
-        built.append(kinds)
-        return real_build(problem, kinds, limit, reduce)
+    def build(problem, key, limit, reduce):
+        built.append(key)
+        return real_build(problem, key, limit, reduce)
 
     monkeypatch.setattr(ilp._Builder, "__init__", init)
     monkeypatch.setattr(ilp._Builder, "_build", staticmethod(build))
@@ -481,15 +482,52 @@ def test_the_sets_models_built_ahead_are_the_ones_the_search_solves(monkeypatch)
         for log in (builders, built, events):
             log.clear()
         assert solve(problem, memory_limit_bytes=limit).objective_s == pytest.approx(_best(every, limit), abs=1e-9)
-        assert builders == [len(kind_sets(problem))], seed  # one builder, started before the first relaxation:
+        # one builder, started before the first relaxation, the first set's model first
+        assert len(builders) == 1 and builders[0][0] == (kind_sets(problem)[0], ()), (seed, builders)
         assert events[:2] == ["builder", "relaxation"], (seed, events[:3])
-        assert len(built) == len(set(built)), seed  # no set's model built twice
+        assert len(built) == len(set(built)), seed  # no model built twice
         searched += 1
         builders.clear()
         assert solve(problem, memory_limit_bytes=2 * ilp._most_plan_bytes(problem)).objective_s == pytest.approx(
             _best(every), abs=1e-9)
         assert builders == [], seed
     assert searched >= 3, searched
+
+
+def test_a_family_of_sets_bounds_them_all_and_a_beaten_one_drops_them(monkeypatch):
+    """The sets parted by one kind (`autotp.solve.regather.families`) are each bounded by their `family`: its best
+    plan under the limit is no slower than any of its sets' (enumerated), and with a plan to beat, or once the
+    first set's search has one, a family beaten in every branch is dropped whole (`autotp.solve.ilp._families_open`)
+    while the search still finds the enumerated optimum; over these problems some families were dropped."""
+    from autotp.solve import ilp
+
+    dropped = []
+    real = ilp._families_open
+
+    def families_open(problem, limit, reduce, search, built, pending, open_of):
+        left = real(problem, limit, reduce, search, built, pending, open_of)
+        dropped.append(len(pending) - len(left))
+        return left
+
+    monkeypatch.setattr(ilp, "_families_open", families_open)
+    checked = 0
+    for seed, problem, every, memories in _solvable(range(5000, 5060)):
+        limit = memories[len(memories) // 3]
+        limited = _best(every, limit)
+        if len(problem.regather) < 2 or limited is None or limited <= _best(every) + 1e-6:
+            continue  # memory must bind, over four sets
+        split = split_kind(problem)
+        for on, free, members in families(kind_sets(problem), split):
+            least = _best(_plans(family(problem, on, free)), limit)
+            for kinds in members:
+                assert split not in free and set(on) <= set(kinds) <= set(on) | set(free), (seed, kinds)
+                alone = _best(_plans(folded(problem, kinds)), limit)
+                assert alone is None or least <= alone + 1e-9, (seed, kinds)
+        assert solve(problem, memory_limit_bytes=limit).objective_s == pytest.approx(limited, abs=1e-9), seed
+        assert solve(problem, memory_limit_bytes=limit, beat_s=limited + 1e-3).objective_s == pytest.approx(
+            limited, abs=1e-9), seed
+        checked += 1
+    assert checked >= 5 and any(dropped), (checked, dropped)
 
 
 def test_the_completed_plan_keeps_the_relaxations_whole_groups_and_releases_its_pins():

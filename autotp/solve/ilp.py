@@ -44,7 +44,7 @@ from autotp.solve.gap import (complete_start, lp_relaxation_bound, optimality_ga
 from autotp.solve.linear import Lin, Model, total
 from autotp.solve.problem import Problem
 from autotp.solve.recompute import layer_counts
-from autotp.solve.regather import folded, kind_sets, least_of_sets
+from autotp.solve.regather import families, family, folded, kind_sets, least_of_sets, split_kind
 from autotp.solve.reduce import possible, reduce_problem
 from autotp.solve.step import memory_bytes, regather_effect, step_time
 
@@ -363,7 +363,7 @@ def solve(problem: Problem, time_limit_s: float | None = None, memory_limit_byte
         if open_ is not None:
             return _limited_or_raise(problem, memory_limit_bytes, reduce, None, solver, beat_s, 0.0, found, open_)
     lp, x = _model(problem, "time", None, reduce)
-    ahead = _Builder.ahead(problem, memory_limit_bytes, reduce, time_limit_s)  # while the relaxation solves
+    ahead = _Builder.ahead(problem, memory_limit_bytes, reduce, time_limit_s, beat_s is not None)
     try:
         relaxed = None
         if (beat_s is not None or memory_limit_bytes is not None) and time_limit_s is None:
@@ -519,12 +519,20 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
         open_ = _open_everywhere(problem, limit, reduce, search)
         if not open_:
             return search.result()
-    with built if built is not None else _Builder(problem, limit, reduce, bounded) as built:
-        for kinds in bounded:
-            variant, model = built.next()
+    open_of = dict.fromkeys(bounded, open_)  # each set's branches left open (None: all of them)
+    with built if built is not None else _Builder(problem, limit, reduce, _model_order(problem, cutoff is not None)) \
+            as built:
+        pending, parted = list(bounded), False
+        while pending:
+            if not parted and search.target() is not None:  # a target: the sets' families bounded first
+                parted = True
+                pending = _families_open(problem, limit, reduce, search, built, pending, open_of)
+                continue
+            kinds = pending.pop(0)
+            variant, model = built.get((kinds, ()))
             opening = search.target() is None  # no target yet: every branch of this set bounded, its best solved
             opened = []
-            for fixed in _branches(model[1]) if open_ is None else open_:
+            for fixed in _branches(model[1]) if open_of[kinds] is None else open_of[kinds]:
                 _fix(model[1], fixed)
                 bound = _branch_bound(model[0], variant, fixed, limit, reduce, search)
                 if bound is None or search.skips(bound):
@@ -550,6 +558,41 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
         if search.failed is not None:
             return search.failed
     return search.result()
+
+
+def _model_order(problem: Problem, target: bool) -> list[tuple]:
+    """The models `_limited` asks for, as `(on, free)` keys of `family` (a set is its own family, nothing free),
+    in the order it likely asks: without a target the first set, whose search makes one; then, with a target, a
+    model per family of two sets or more (`_families_open`), and each set alone in its family. The sets of a
+    family are built only once its relaxation leaves them a branch (`_Builder.want`)."""
+    sets = kind_sets(problem)
+    opening = [] if target else sets[:1]
+    parts = families(sets[len(opening):], split_kind(problem)) if len(sets) > 1 else []
+    return ([(kinds, ()) for kinds in opening] + [(on, free) for on, free, members in parts if len(members) > 1]
+            + [(members[0], ()) for _, _, members in parts if len(members) == 1])
+
+
+def _families_open(problem: Problem, limit: float, reduce: bool, search: "_Search", built: "_Builder",
+                   pending: list[tuple], open_of: dict) -> list[tuple]:
+    """The sets of ``pending`` left to bound one by one, once there is a target: the sets are parted by the kind
+    whose regathering weighs most (`autotp.solve.regather.split_kind`), and each part of two sets or more is
+    bounded first by one relaxation per branch over its `family` (every set's plans costed no more): a part
+    beaten in every branch is dropped whole, and the branches it leaves open are the only ones its sets bound
+    (``open_of``, narrowed in place). At Llama-2-70B batch 8 the two sets that do not regather activations go
+    with one model and two relaxations, where each took its own; with two micro-batches all four sets do.
+    Exact as `_open_everywhere` is: a family's bound is at most each of its sets'."""
+    left = []
+    for on, free, members in families(pending, split_kind(problem)):
+        if len(members) > 1:
+            open_ = _open_everywhere(problem, limit, reduce, search, built.get((on, free)), open_of[members[0]])
+            if not open_:
+                continue
+            for kinds in members:
+                open_of[kinds] = open_
+        for kinds in members:
+            built.want((kinds, ()))
+        left += members
+    return [kinds for kinds in pending if kinds in left]
 
 
 class _Branch(NamedTuple):
@@ -633,7 +676,7 @@ def _open_or_beaten(problem: Problem, limit: float, reduce: bool, search: "_Sear
 
 
 def _open_everywhere(problem: Problem, limit: float, reduce: bool, search: "_Search",
-                     built: tuple | None = None) -> list[dict]:
+                     built: tuple | None = None, among: list[dict] | None = None) -> list[dict]:
     """The branches in which some set of regathered kinds may hold a plan under the limit faster than the
     search's target, by one relaxation per branch for every set at once.
 
@@ -645,11 +688,12 @@ def _open_everywhere(problem: Problem, limit: float, reduce: bool, search: "_Sea
     has only its open branches bounded set by set (at 70B batch 8 two
     micro-batches recomputing every layer bound at 1.178 s over every set,
     above the 1.065 s to beat: four relaxations of 0.1 to 1.9 s saved).
-    ``built``: that problem and its model under the limit, already made (`_bounded_first`).
+    ``built``: that problem and its model under the limit, already made (`_bounded_first`), or a family's
+    (`_families_open`); ``among``: the branches to bound (None: all of them).
     """
     variant, (lp, x) = built if built is not None else _least_model(problem, limit, reduce)
     open_ = []
-    for fixed in _branches(x):
+    for fixed in _branches(x) if among is None else among:
         _fix(x, fixed)
         bound = _branch_bound(lp, variant, fixed, limit, reduce, search)
         if bound is not None and not search.skips(bound):
@@ -664,31 +708,41 @@ def _least_model(problem: Problem, limit: float, reduce: bool) -> tuple:
 
 
 class _Builder:
-    """The ILP of each set of regathered kinds under the limit, built in a thread ahead of its use: HiGHS
-    releases the GIL while it solves the sets before, so on two cores the next set's model (a second of Python
-    for Llama-2-70B) is built while the last one solves. The models are the same, and used in the same order."""
+    """The ILPs under the limit that the search asks for (a set's, or a family's: `_model_order`), built in a
+    thread ahead of their use: HiGHS releases the GIL while it solves the ones before, so on two cores the next
+    model (a second of Python for Llama-2-70B) is built while the last one solves. The models are the same as
+    built on the spot; one asked for and not wanted yet is built then."""
 
-    def __init__(self, problem, limit: float, reduce: bool, sets):
+    def __init__(self, problem, limit: float, reduce: bool, keys):
+        self.problem, self.limit, self.reduce = problem, limit, reduce
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autotp-ilp-build")
-        self.pending = [self.pool.submit(self._build, problem, kinds, limit, reduce) for kinds in sets]
+        self.pending = {}
+        for key in keys:
+            self.want(key)
 
     @staticmethod
-    def _build(problem, kinds, limit, reduce):
-        variant = folded(problem, kinds)
+    def _build(problem, key, limit, reduce):
+        variant = family(problem, *key)
         return variant, _model(variant, "time", limit, reduce)
 
     @classmethod
-    def ahead(cls, problem, limit: float | None, reduce: bool, time_limit_s) -> "_Builder | None":
-        """The sets' models started now, while the relaxation without the limit solves and says whether the
-        search under the limit is needed (the first set's model then waits no longer: a second at
-        Llama-2-70B), or None where no search under the limit can follow (no limit, or `_most_plan_bytes` fits
-        it) or the search builds each set's model when it solves it (a time limit)."""
+    def ahead(cls, problem, limit: float | None, reduce: bool, time_limit_s, target: bool) -> "_Builder | None":
+        """The models started now, while the relaxation without the limit solves and says whether the search
+        under the limit is needed (the first set's model then waits no longer: a second at Llama-2-70B), or
+        None where no search under the limit can follow (no limit, or `_most_plan_bytes` fits it) or the search
+        builds each set's model when it solves it (a time limit); ``target``: the search will have one."""
         if limit is None or time_limit_s is not None or _most_plan_bytes(problem) <= limit:
             return None
-        return cls(problem, limit, reduce, kind_sets(problem))
+        return cls(problem, limit, reduce, _model_order(problem, target))
 
-    def next(self):
-        return self.pending.pop(0).result()
+    def want(self, key) -> None:
+        """Model ``key`` queued, after those wanted before it, unless it already is."""
+        if key not in self.pending:
+            self.pending[key] = self.pool.submit(self._build, self.problem, key, self.limit, self.reduce)
+
+    def get(self, key):
+        self.want(key)
+        return self.pending.pop(key).result()
 
     def close(self) -> None:
         """No more models: the one being built is left to finish, and dropped."""
