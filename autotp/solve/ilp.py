@@ -503,7 +503,9 @@ def _limited(problem: Problem, limit: float, reduce: bool, time_limit_s, solver:
     every set at once first (`_open_everywhere`, or ``open_``: the branches
     it left open, found by `solve` already): a micro-batch count that
     cannot win is set aside before any set's model is built, and a branch
-    beaten in every set is bounded in none. Exact: the
+    beaten in every set is bounded in none. Once there is a target, from
+    the start or from the first set, the sets left are bounded by family
+    first (`_families_open`): a family beaten is dropped whole. Exact: the
     branches partition the plans, and a bound never exceeds its branch's
     optimum.
     """

@@ -19,7 +19,8 @@ often crosses the slow axis) and ``activations``. Each applies to every use
 of its kind, as the lowering does (`autotp.lower.regather`), and is offered
 only when memory is limited or minimised: otherwise regathering only
 costs. With two kinds there are four ways at most, so the solver tries
-them (`autotp.solve.ilp`), each as the same problem with the regathered
+them (`autotp.solve.ilp`; with a plan to beat, those parted by one kind
+bounded together first: `family`), each as the same problem with the regathered
 uses' seconds and bytes folded into the pieces they live on (a group, an
 edge's pairs, a fan-out item: `folded`). The ILP keeps its size, dead-end
 elimination needs no rule of its own, and the choice is exact.
