@@ -569,7 +569,7 @@ def _model_order(problem: Problem, target: bool) -> list[tuple]:
     family are built only once its relaxation leaves them a branch (`_Builder.want`)."""
     sets = kind_sets(problem)
     opening = [] if target else sets[:1]
-    parts = families(sets[len(opening):], split_kind(problem)) if len(sets) > 1 else []
+    parts = families(sets[len(opening):], split_kind(problem))
     return ([(kinds, ()) for kinds in opening] + [(on, free) for on, free, members in parts if len(members) > 1]
             + [(members[0], ()) for _, _, members in parts if len(members) == 1])
 
@@ -583,17 +583,16 @@ def _families_open(problem: Problem, limit: float, reduce: bool, search: "_Searc
     (``open_of``, narrowed in place). At Llama-2-70B batch 8 the two sets that do not regather activations go
     with one model and two relaxations, where each took its own; with two micro-batches all four sets do.
     Exact as `_open_everywhere` is: a family's bound is at most each of its sets'."""
-    left = []
+    left = set()
     for on, free, members in families(pending, split_kind(problem)):
         if len(members) > 1:
             open_ = _open_everywhere(problem, limit, reduce, search, built.get((on, free)), open_of[members[0]])
             if not open_:
                 continue
-            for kinds in members:
-                open_of[kinds] = open_
+            open_of.update(dict.fromkeys(members, open_))
         for kinds in members:
             built.want((kinds, ()))
-        left += members
+        left.update(members)
     return [kinds for kinds in pending if kinds in left]
 
 
