@@ -172,8 +172,9 @@ def build_opgraph(gm: fx.GraphModule, input_requires_grad=None) -> OpGraph:
     params = {n: p.requires_grad for n, p in gm.named_parameters()}
     buffers = {n for n, _ in gm.named_buffers()}
     g, order, metas, grads, outputs, probed = nx.DiGraph(), [], {}, {}, [], {}
+    param_names = set(params)
     for node in gm.graph.nodes:
-        kind = _kind(node, set(params), buffers)
+        kind = _kind(node, param_names, buffers)
         producers = tensor_input_nodes(node)
         if kind == KIND_OUTPUT:
             outputs = [p.name for p in producers]
