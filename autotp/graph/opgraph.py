@@ -152,7 +152,8 @@ class OpGraph:
         return len(self.order)
 
 
-def _kind(node: fx.Node, params: set, buffers: set) -> str:
+def _kind(node: fx.Node, params, buffers: set) -> str:
+    """``params``: the parameters' names (any container: a dict of them is looked up as it is)."""
     if node.op == "placeholder":
         return KIND_INPUT
     if node.op == "get_attr":
@@ -172,9 +173,8 @@ def build_opgraph(gm: fx.GraphModule, input_requires_grad=None) -> OpGraph:
     params = {n: p.requires_grad for n, p in gm.named_parameters()}
     buffers = {n for n, _ in gm.named_buffers()}
     g, order, metas, grads, outputs, probed = nx.DiGraph(), [], {}, {}, [], {}
-    param_names = set(params)
     for node in gm.graph.nodes:
-        kind = _kind(node, param_names, buffers)
+        kind = _kind(node, params, buffers)
         producers = tensor_input_nodes(node)
         if kind == KIND_OUTPUT:
             outputs = [p.name for p in producers]
