@@ -415,7 +415,7 @@ def test_a_binary_is_fixed_only_where_its_reduced_cost_passes_the_cutoff():
     assert duals.bound == pytest.approx(1.0) and set(duals.reduced) == {1, 2}
     assert fix_beyond(lp, duals, None) == []
     pinned = fix_beyond(lp, duals, 5.0)
-    assert pinned == [2] and lp.upper[2] == 0.0 and lp.upper[1] == 1.0
+    assert pinned == [(2, 1.0)] and lp.upper[2] == 0.0 and lp.upper[1] == 1.0
     backends.solve_mip(lp, "highs", None, cutoff=5.0)
     assert lp.objective_value == pytest.approx(1.0)
     release(lp, pinned)

@@ -213,7 +213,8 @@ def _fanout_items(lp, problem: Problem, x: dict, y: dict, every: bool) -> list[t
             if len(by_arm) == 1:  # one use needs it: paid when that use is, no variable or row of its own
                 terms.append((total(*by_arm.values()), fanout.cost_s[item], nbytes))
                 continue
-            w = lp.var()
+            # at least its uses' indicators, and never cheaper or smaller above them: 0 or 1 in a plan worth finding
+            w = lp.var(zero_one=fanout.cost_s[item] >= 0 and nbytes >= 0)
             for indicators in by_arm.values():
                 lp.row([w.index] + [v.index for v in indicators], [1.0] + [-1.0] * len(indicators), 0.0, math.inf)
             terms.append((w, fanout.cost_s[item], nbytes))
@@ -941,7 +942,7 @@ def _finish(solution: Solution, time_limit_s, earlier_s: float = 0.0) -> Solutio
 
 def _pair_variables(lp, xu: dict, xv: dict, kept) -> dict:
     """Edge-pair variables and their row/column-sum constraints; only ``kept[i][j]`` pairs get one."""
-    y = {(i, j): lp.var() for i in xu for j in xv if kept[i][j]}
+    y = {(i, j): lp.var(zero_one=True) for i in xu for j in xv if kept[i][j]}
     by_row, by_column = {i: [] for i in xu}, {j: [] for j in xv}
     for (i, j), v in y.items():
         by_row[i].append(v.index)

@@ -131,13 +131,17 @@ class Model:
     solver object of the LP relaxation, so relaxations solved one after
     another (branches that differ in bounds) start from the last basis.
     ``labels`` names rows a caller changes later (`set_row_bounds`): the
-    ILP's memory limit, lifted for a relaxation without it.
+    ILP's memory limit, lifted for a relaxation without it. ``zero_one``
+    marks the columns that are 0 or 1 in every plan worth finding: the
+    binaries, and continuous columns the binaries force to 0 or 1
+    (`var`), which reduced-cost fixing may pin (`autotp.solve.fixing`).
     """
 
     def __init__(self):
         self.lower: list[float] = []
         self.upper: list[float] = []
         self.integer: list[bool] = []
+        self.zero_one: list[bool] = []
         self.row_lower: list[float] = []
         self.row_upper: list[float] = []
         self.starts: list[int] = [0]
@@ -162,12 +166,16 @@ class Model:
     def n_rows(self) -> int:
         return len(self.row_lower)
 
-    def var(self, low: float = 0.0, up: float = INF, binary: bool = False) -> Var:
+    def var(self, low: float = 0.0, up: float = INF, binary: bool = False, zero_one: bool = False) -> Var:
+        """A new column. ``zero_one``: continuous, but 0 or 1 in every plan worth finding (an edge's pair of
+        choices, one-hot as its two groups' binaries are; a fan-out item at the least its uses allow); binaries
+        are so too."""
         if binary:
             low, up = max(low, 0.0), min(up, 1.0)
         self.lower.append(float(low))
         self.upper.append(float(up))
         self.integer.append(binary)
+        self.zero_one.append(binary or zero_one)
         self.cost.append(0.0)
         return Var(self, len(self.lower) - 1)
 
