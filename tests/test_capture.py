@@ -59,3 +59,31 @@ def test_export_failure_names_the_line():
 def test_wrong_example_inputs_fail_clearly():
     with pytest.raises(CaptureError, match=r"example inputs .* do not match GPT.forward\(idx, targets\): missing .*'targets'"):
         capture(GPT(), (torch.zeros(2, 8, dtype=torch.long),))
+
+
+def test_the_captured_module_writes_its_code_when_first_run_and_keeps_its_state():
+    """`autotp.capture.lazycode`: a capture leaves the module's code to be written when it is first needed; the
+    first run gives the model's output (each of the module's hooks run once), its code is the normalized graph's,
+    and its state is the model's, a non-persistent buffer left out as the model leaves it out."""
+    from autotp.capture.lazycode import _stale
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(3, 4)
+    gm = capture(model, (x,))
+    assert _stale(gm)
+    torch.testing.assert_close(gm(x), model(x))
+    assert not _stale(gm)
+    assert gm.code == gm.graph.python_code("self").src
+    assert set(gm.state_dict()) == set(model.state_dict()) == {"fc.weight", "fc.bias"}
+    fresh = capture(model, (x,))  # its code read first, then printed
+    assert _stale(fresh) and fresh.code == fresh.graph.python_code("self").src and not _stale(fresh)
+    assert fresh.code in str(fresh)

@@ -135,7 +135,7 @@ def capture(model: torch.nn.Module, example_inputs=(), example_kwargs=None, *,
     if gm is None:
         gm = _export(model, example_inputs, example_kwargs)
     merge_tied_parameters(gm, {id(p): name for name, p in model.named_parameters()})
-    normalize(gm)  # lints and recompiles once for every pass above: each recompile of 80 layers costs ~1 s
+    normalize(gm)  # lints once for every pass above; its code is written when first needed (`lazycode`)
     gm.meta["autotp_capture"] = report
     return gm
 

@@ -42,13 +42,15 @@ import torch.fx as fx
 
 from autotp.capture.emit import emit
 from autotp.capture.fused import unfuse_projections
+from autotp.capture.lazycode import recompile_when_needed
 from autotp.errors import CaptureError
 
 aten = torch.ops.aten
 
 
 def normalize(gm: fx.GraphModule) -> None:
-    """Apply every normalization pass in place."""
+    """Apply every normalization pass in place; the module's code is written when it is first run or read
+    (`autotp.capture.lazycode`)."""
     decompose_batch_norm(gm)
     functionalize_inplace(gm)
     unfuse_projections(gm)
@@ -58,7 +60,7 @@ def normalize(gm: fx.GraphModule) -> None:
     drop_contiguous(gm)
     drop_metadata_asserts(gm)
     gm.graph.lint()
-    gm.recompile()
+    recompile_when_needed(gm)
 
 
 def split_linear_bias(gm: fx.GraphModule) -> None:
