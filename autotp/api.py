@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import time
 from dataclasses import dataclass
 
@@ -9,15 +10,16 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autotp.capture import capture, example_specs, inputs_from_specs
+from autotp.capture.beside import Beside
 from autotp.capture.micro import batch_size, divisors, micro_batch
-from autotp.cost.memory import AUTO, TERMS, check_precision, most_bytes
+from autotp.cost.memory import AUTO, TERMS, check_precision, most_bytes, state_bytes
 from autotp.cost.profile import load_profile
 from autotp.counts import DEFER_OVER, leads, likely_count, search_in_order
 from autotp.errors import MemoryLimitError, PlanError
 from autotp.gcpause import collector_paused
 from autotp.graph import build_opgraph
 from autotp.graph.resize import NotProportional, derivable, resized
-from autotp.lanes import lane_count, search_in_lanes
+from autotp.lanes import lane_count, lane_order, search_in_lanes
 from autotp.lower import lower
 from autotp.materialize import StateDictSource, check_materialized, prepare_weights
 from autotp.mesh import Mesh
@@ -169,13 +171,18 @@ def plan(model, mesh, example_inputs=(), example_kwargs=None, *, training: bool 
     likely = likely_count(counts, as_mesh(mesh), batch_size(example_inputs, example_kwargs))
     job = _CountJob(_Captures(model, example_inputs, example_kwargs, replay_layers, stages), mesh, options, stages,
                     likely)
-    # the likeliest count leads only where memory may bind at it (then it may at one micro-batch too)
-    ahead = leads(counts, likely) and job.may_bind(likely)
     lanes = lane_count(workers, len(counts))
-    if lanes > 1 and not ahead and not job.may_bind(counts[0]):
-        lanes = 1
-    tally = (search_in_lanes(job, counts, likely, lanes, ahead) if lanes > 1
-             else search_in_order(job, counts, likely, ahead))
+    try:
+        if lanes > 1 and job.binds_surely():  # lanes will search the counts: their second capture starts now
+            job.captures.capture_beside(lane_order(counts, likely, leads(counts, likely))[0])
+        # the likeliest count leads only where memory may bind at it (then it may at one micro-batch too)
+        ahead = leads(counts, likely) and job.may_bind(likely)
+        if lanes > 1 and not ahead and not job.may_bind(counts[0]):
+            lanes = 1
+        tally = (search_in_lanes(job, counts, likely, lanes, ahead) if lanes > 1
+                 else search_in_order(job, counts, likely, ahead))
+    finally:
+        job.captures.close()
     best = tally.result()
     best.stats["plan_s"] = time.perf_counter() - started
     return best
@@ -229,6 +236,30 @@ class _Captures:
         self.real: list[tuple[int, Captured]] = []  # (micro-batch size, capture) of the first two derivable
         self.proportional = True  # False once the two captures showed a shape that is not
         self.ahead: dict[int, tuple] = {}  # (capture, seconds) of counts captured before asked for (`capture_ahead`)
+        self.beside: dict[int, Beside] = {}  # the count captured in a forked process (`capture_beside`)
+
+    def capture_beside(self, order: list[int]) -> None:
+        """Start capturing, in a process forked now, the second count of ``order`` that later counts are read
+        off, while this process captures the first (`autotp.capture.beside`)."""
+        derivable_counts = [k for k in order if self.batch and derivable(self.batch // k)]
+        if len(derivable_counts) < 2 or self.real:
+            return
+        k = derivable_counts[1]
+        args, kwargs = micro_batch(self.inputs, self.kwargs, k)
+
+        def capture():
+            lines = io.StringIO()
+            stages = Stages(enabled=self.stages.enabled, stream=lines)
+            captured = capture_model(self.model, args, kwargs, self.replay_layers, stages)
+            return captured, lines.getvalue(), stages.times["capturing"]
+
+        self.beside[k] = Beside(capture)
+
+    def close(self) -> None:
+        """Stop a capture beside this process that is no longer wanted."""
+        for process in self.beside.values():
+            process.stop()
+        self.beside.clear()
 
     def capture_ahead(self, k: int) -> None:
         """Capture count ``k`` now if later counts are to be read off it: `autotp.lanes` forks each count's
@@ -240,8 +271,8 @@ class _Captures:
     def peek(self, k: int) -> Captured:
         """Count ``k`` captured now and kept, with the time it took, for `at` (its count's capture stage)."""
         if k not in self.ahead:
-            started = time.perf_counter()
-            self.ahead[k] = self.at(k), time.perf_counter() - started
+            captured = self.at(k)
+            self.ahead[k] = captured, self.stages.times["capturing"]
         return self.ahead[k][0]
 
     def at(self, k: int, stages: Stages | None = None) -> Captured:
@@ -265,10 +296,30 @@ class _Captures:
                     stage.detail = f"{len(graph):,} ops (batch {size} read off batches {first_size} and {second_size})"
             if graph is not None:
                 return Captured(first.gm, graph, {**example_specs(args, kwargs), "replay_layers": self.replay_layers})
-        captured = capture_model(self.model, args, kwargs, self.replay_layers, stages)
+        captured = self._made_beside(k, args, kwargs, stages) or capture_model(self.model, args, kwargs,
+                                                                              self.replay_layers, stages)
         if len(self.real) < 2:
             self.real.append((size, captured))
         return captured
+
+
+    def _made_beside(self, k: int, args: tuple, kwargs: dict, stages: Stages) -> Captured | None:
+        """Count ``k`` as captured beside this process (`capture_beside`), its progress line and time told here,
+        with the first capture's module standing for its own (as for a graph read off two); None where it was
+        not captured so, failed, or replayed other than the first did."""
+        process = self.beside.pop(k, None)
+        made = process.result() if process is not None else None
+        if made is None or not self.real:
+            return None
+        graph, lines, seconds, report = made
+        gm = self.real[0][1].gm
+        if report != gm.meta["autotp_capture"]:
+            return None
+        stages.write(lines)
+        stages.times["capturing"] = seconds
+        specs = example_specs(args, kwargs)
+        specs["replay_layers"] = self.replay_layers
+        return Captured(gm, graph, specs)
 
 
 @collector_paused()
@@ -383,6 +434,18 @@ class _CountJob:
         limit = limit_bytes(self.options["memory_limit"], load_profile(self.options["profile"]))
         precision = check_precision(self.options["precision"])
         return limit is not None and most_bytes(self.captures.peek(k).graph, self.options["training"], precision) > limit
+
+    def binds_surely(self) -> bool:
+        """Whether the memory limit may bind whatever the capture shows: the model's trainable parameters' state
+        alone, which `most_bytes` counts whole, is over it (Llama-2-70B's on 4x8: 1,260 GB against 76 GB).
+        Then lanes will search the counts, and their second capture may start before the first is made, beside
+        it (a model below the limit plans one count in this process: a fork and a second capture took a small
+        GPT's plan from 1.35 s to 1.7 s, `may_bind`)."""
+        limit = limit_bytes(self.options["memory_limit"], load_profile(self.options["profile"]))
+        precision = check_precision(self.options["precision"])
+        state = sum(p.numel() * sum(state_bytes(p.dtype.itemsize, precision))
+                    for p in self.captures.model.parameters() if p.requires_grad)
+        return limit is not None and self.options["training"] and state > limit
 
     def stages_to(self, stream) -> Stages:
         """A reporter like this one's, writing to ``stream``."""

@@ -97,12 +97,7 @@ def search_in_lanes(job, counts: list[int], likely: int | None, lanes: int, ahea
     as there is one. After the first count and the likeliest, the counts nearest the likeliest go first (at
     batch 64, 8 and 32 micro-batches before 2: the winner is 16, and its neighbours are the close calls). The
     tally is the one `autotp.counts.search_in_order` gives (``ahead``: the likeliest leads, as there)."""
-    if ahead:
-        order, defer = lead_order(counts, likely), False
-    else:
-        defer = defers(counts, likely)
-        order = [counts[0]] + ([likely] if defer else [])
-        order += sorted((k for k in counts if k not in order), key=lambda k: distance(k, likely))
+    order, defer = lane_order(counts, likely, ahead)
     first = order[0]  # searched at once, with no plan to beat
     tally, reported = Tally(), None  # reported: the fastest plan a lane has proven so far, before its end
     pending, live = list(order), {}
@@ -133,6 +128,17 @@ def search_in_lanes(job, counts: list[int], likely: int | None, lanes: int, ahea
         for lane in live.values():
             lane.stop()
     return tally
+
+
+def lane_order(counts: list[int], likely: int | None, ahead: bool) -> tuple[list[int], bool]:
+    """The order `search_in_lanes` starts the counts in, and whether the first may defer to the likeliest: with
+    ``ahead`` the likeliest first (`autotp.counts.lead_order`); else the first count, the likeliest where the
+    first defers to it, then the others nearest the likeliest first."""
+    if ahead:
+        return lead_order(counts, likely), False
+    defer = defers(counts, likely)
+    order = [counts[0]] + ([likely] if defer else [])
+    return order + sorted((k for k in counts if k not in order), key=lambda k: distance(k, likely)), defer
 
 
 def _working(live: dict) -> int:

@@ -189,3 +189,36 @@ def test_counts_side_by_side_plan_as_in_order_where_one_micro_batch_defers():
     assert side_by_side.predicted["total_s"] == pytest.approx(in_order.predicted["total_s"], rel=1e-9)
     solves = [line for line in stream.getvalue().splitlines() if line.startswith("[1 micro-batch] solving ILP")]
     assert len(solves) == 2  # deferred, then searched against 4's plan
+
+
+def test_the_second_capture_made_beside_the_first_comes_back_whole():
+    """`autotp.capture.beside`: a capture made in a forked process sends back its graph node for node (torch's
+    operators the very objects of this process), its progress line, time and what it replayed; one that fails
+    sends nothing, and `autotp.api._Captures` then captures here, where the error has its traceback."""
+    from autotp.capture.beside import Beside
+
+    model, inputs = _make()
+    stream = io.StringIO()
+    here = capture_model(model, inputs, progress=Stages(stream=stream))
+
+    def capture():
+        lines = io.StringIO()
+        stages = Stages(stream=lines)
+        captured = capture_model(model, inputs, progress=stages)
+        return captured, lines.getvalue(), stages.times["capturing"]
+
+    graph, lines, seconds, report = Beside(capture).result()
+    assert graph.order == here.graph.order and graph.outputs == here.graph.outputs
+    for name in here.graph.order:
+        assert graph.node(name) == here.graph.node(name)
+        if isinstance(here.graph.node(name).target, torch._ops.OpOverload):
+            assert graph.node(name).target is here.graph.node(name).target
+    assert sorted(graph.graph.edges(data=True)) == sorted(here.graph.graph.edges(data=True))
+    assert lines.startswith("capturing… ") and lines.endswith(f", {seconds:.1f} s\n")
+    assert lines.rsplit(", ", 1)[0] == stream.getvalue().rsplit(", ", 1)[0]  # the same ops, the same replay
+    assert seconds > 0 and report == here.gm.meta["autotp_capture"]
+
+    def fails():
+        raise RuntimeError("no capture")
+
+    assert Beside(fails).result() is None
