@@ -205,7 +205,8 @@ def micro_batch_counts(micro_batches, training: bool, example_inputs, example_kw
 class Captured:
     """A model captured once, to be planned several ways (autotp's plan and its baselines)."""
 
-    gm: torch.fx.GraphModule  # of a graph read off two others (`_Captures`), the first's: its scopes hold alike
+    gm: torch.fx.GraphModule  # of a graph read off two others or captured beside the first (`_Captures`), the
+    # first's: its scopes hold alike
     graph: object  # OpGraph
     specs: dict  # the example inputs' shapes, saved with the plan
 
@@ -227,7 +228,8 @@ def capture_model(model, example_inputs=(), example_kwargs=None, replay_layers: 
 class _Captures:
     """The model captured at each micro-batch count `plan` tries: the first two counts for real, and the rest,
     where the two show every shape proportional to the batch, read off them (`autotp.graph.resize`: a fraction
-    of a second, where a capture of Llama-2-70B takes 1.3 to 1.9 s); counts of one sample are always captured."""
+    of a second, where a capture of Llama-2-70B takes 1.3 to 1.9 s); counts of one sample are always captured.
+    Where lanes will search the counts, the second real capture is made beside the first (`capture_beside`)."""
 
     def __init__(self, model, example_inputs: tuple, example_kwargs: dict, replay_layers: bool, stages: Stages):
         self.model, self.inputs, self.kwargs, self.replay_layers, self.stages = (
