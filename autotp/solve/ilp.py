@@ -942,7 +942,8 @@ def _finish(solution: Solution, time_limit_s, earlier_s: float = 0.0) -> Solutio
 
 def _pair_variables(lp, xu: dict, xv: dict, kept) -> dict:
     """Edge-pair variables and their row/column-sum constraints; only ``kept[i][j]`` pairs get one."""
-    y = {(i, j): lp.var(zero_one=True) for i in xu for j in xv if kept[i][j]}
+    pairs = [(i, j) for i in xu for j in xv if kept[i][j]]
+    y = dict(zip(pairs, lp.vars(len(pairs), zero_one=True)))
     by_row, by_column = {i: [] for i in xu}, {j: [] for j in xv}
     for (i, j), v in y.items():
         by_row[i].append(v.index)
