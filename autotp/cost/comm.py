@@ -31,8 +31,20 @@ def _span_time_s(kind: str, axes, message_bytes: float, mesh, profile, latency_s
     """Seconds of one collective over the devices of ``axes``: the slowest link's latency and bandwidth.
 
     ``latency_share`` of the latency is paid; the bus bandwidth is read at
-    ``bandwidth_at`` bytes (the message itself by default).
+    ``bandwidth_at`` bytes (the message itself by default). Each is worked
+    out once per profile (``Profile.spans``).
     """
+    key = (kind, tuple(axes), message_bytes, mesh, latency_share, bandwidth_at)
+    seconds = profile.spans.get(key)
+    if seconds is None:
+        seconds = profile.spans[key] = _span_seconds(kind, axes, message_bytes, mesh, profile, latency_share,
+                                                     bandwidth_at)
+    return seconds
+
+
+def _span_seconds(kind: str, axes, message_bytes: float, mesh, profile, latency_share: float,
+                  bandwidth_at: float | None) -> float:
+    """`_span_time_s`, worked out."""
     n = math.prod(mesh.shape[a] for a in axes)
     if kind == SLICE or n == 1 or message_bytes == 0:
         return 0.0

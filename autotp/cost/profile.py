@@ -21,7 +21,7 @@ import json
 import math
 import site
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from autotp.errors import ProfileError
@@ -77,6 +77,9 @@ class Profile:
     device: dict
     links: dict  # link class -> LinkCurve
     source_path: str | None = None
+    # seconds of collectives already priced on it (`autotp.cost.comm`): a costing of 70B asks 41,000 times for some
+    # 230 distinct ones; the profile is never changed once loaded, so they hold for its life
+    spans: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def peak_flops(self, dtype) -> float:
         key = str(dtype).removeprefix("torch.")
