@@ -220,9 +220,12 @@ def capture_model(model, example_inputs=(), example_kwargs=None, replay_layers: 
         gm = capture(model, example_inputs, example_kwargs, replay_layers=replay_layers)
         graph = build_opgraph(gm, _placeholder_grads(gm, example_inputs, example_kwargs))
         stage.detail = f"{len(graph):,} ops{_replay_detail(gm)}"
-    specs = example_specs(example_inputs, example_kwargs)
-    specs["replay_layers"] = replay_layers
-    return Captured(gm, graph, specs)
+    return Captured(gm, graph, _specs(example_inputs, example_kwargs, replay_layers))
+
+
+def _specs(example_inputs: tuple, example_kwargs: dict, replay_layers: bool) -> dict:
+    """What a capture saves with the plan: the example inputs' shapes, and whether layers were replayed."""
+    return {**example_specs(example_inputs, example_kwargs), "replay_layers": replay_layers}
 
 
 class _Captures:
@@ -297,13 +300,12 @@ class _Captures:
                 else:
                     stage.detail = f"{len(graph):,} ops (batch {size} read off batches {first_size} and {second_size})"
             if graph is not None:
-                return Captured(first.gm, graph, {**example_specs(args, kwargs), "replay_layers": self.replay_layers})
+                return Captured(first.gm, graph, _specs(args, kwargs, self.replay_layers))
         captured = self._made_beside(k, args, kwargs, stages) or capture_model(self.model, args, kwargs,
                                                                               self.replay_layers, stages)
         if len(self.real) < 2:
             self.real.append((size, captured))
         return captured
-
 
     def _made_beside(self, k: int, args: tuple, kwargs: dict, stages: Stages) -> Captured | None:
         """Count ``k`` as captured beside this process (`capture_beside`), its progress line and time told here,
@@ -319,9 +321,7 @@ class _Captures:
             return None
         stages.write(lines)
         stages.times["capturing"] = seconds
-        specs = example_specs(args, kwargs)
-        specs["replay_layers"] = self.replay_layers
-        return Captured(gm, graph, specs)
+        return Captured(gm, graph, _specs(args, kwargs, self.replay_layers))
 
 
 @collector_paused()
@@ -433,8 +433,7 @@ class _CountJob:
         """Whether the memory limit may bind at ``k`` micro-batches: not where every tensor of the step, unsharded
         and counted over (`autotp.cost.memory.most_bytes`), fits it. Then ``k``'s plan is the plan, and no other
         count is worth a lane (a fork and a second capture took a small GPT's plan from 1.35 s to 1.7 s)."""
-        limit = limit_bytes(self.options["memory_limit"], load_profile(self.options["profile"]))
-        precision = check_precision(self.options["precision"])
+        limit, precision = self._limit_and_precision()
         return limit is not None and most_bytes(self.captures.peek(k).graph, self.options["training"], precision) > limit
 
     def binds_surely(self) -> bool:
@@ -443,11 +442,15 @@ class _CountJob:
         Then lanes will search the counts, and their second capture may start before the first is made, beside
         it (a model below the limit plans one count in this process: a fork and a second capture took a small
         GPT's plan from 1.35 s to 1.7 s, `may_bind`)."""
-        limit = limit_bytes(self.options["memory_limit"], load_profile(self.options["profile"]))
-        precision = check_precision(self.options["precision"])
+        limit, precision = self._limit_and_precision()
         state = sum(p.numel() * sum(state_bytes(p.dtype.itemsize, precision))
                     for p in self.captures.model.parameters() if p.requires_grad)
         return limit is not None and self.options["training"] and state > limit
+
+    def _limit_and_precision(self) -> tuple[int | None, str]:
+        """The memory limit in bytes (None: none) and the training precision, as the options give them."""
+        return (limit_bytes(self.options["memory_limit"], load_profile(self.options["profile"])),
+                check_precision(self.options["precision"]))
 
     def stages_to(self, stream) -> Stages:
         """A reporter like this one's, writing to ``stream``."""

@@ -26,7 +26,8 @@ import torch
 
 
 class Beside:
-    """``capture()`` run in a process forked now; `result` waits for what it returns (`Captured`), or None."""
+    """``capture()`` (a `Captured`, its progress lines and its seconds) run in a process forked now; `result`
+    waits for what comes back of it."""
 
     def __init__(self, capture):
         context = multiprocessing.get_context("fork")

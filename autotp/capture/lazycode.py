@@ -47,13 +47,16 @@ def _stale_forward(self, *args, **kwargs):
     return type(self).forward(self, *args, **kwargs)
 
 
+def _written(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm``, its code written if it was stale."""
+    if _stale(gm):
+        gm.recompile()
+    return gm
+
+
 def _code(self) -> str:
-    if _stale(self):
-        self.recompile()
-    return self._code
+    return _written(self)._code
 
 
 def _str(self) -> str:
-    if _stale(self):
-        self.recompile()
-    return fx.GraphModule.__str__(self)
+    return fx.GraphModule.__str__(_written(self))
