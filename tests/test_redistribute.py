@@ -138,3 +138,36 @@ def test_step_options_read_off_recipes_match_the_steps_worked_out_for_every_tens
     forms = {s.form for options in itertools.chain([step_options((P, P), (R, R), m, (2, 4)) for m in metas])
              for steps in options for s in steps}
     assert "hierarchical 0+1 outer 0 dim 0" in forms and "hierarchical 0+1 outer 0 dim 1" in forms
+
+
+def test_tensors_of_one_options_key_get_the_same_steps():
+    """`options_key` stands for a tensor in `autotp.cost.reshard.edge_cost`'s memo: two tensors with one key must
+    get equal steps (or both be refused), and tensors of other sizes, or whose dims split otherwise, other keys."""
+    import random
+
+    from autotp.redistribute import options_key
+
+    rng = random.Random(1)
+    metas = [TensorMeta(shape, dtype) for shape in [(8, 8), (4, 16), (16, 4), (3, 16), (16, 3), (24, 6, 4),
+                                                    (2, 12, 8), (12, 2, 8)]
+             for dtype in (torch.float32, torch.bfloat16)]
+    places = [P, R, Shard(0), Shard(1)]
+    by_key, cases = {}, 0
+    for mesh_shape in [(2, 4), (2, 2, 2)]:
+        for _ in range(200):
+            src = tuple(rng.choice(places) for _ in mesh_shape)
+            dst = tuple(rng.choice(places[1:]) for _ in mesh_shape)
+            grad_axes = tuple(a for a in range(len(mesh_shape)) if rng.random() < 0.5)
+            for meta in metas:
+                try:
+                    steps = step_options(src, dst, meta, mesh_shape, grad_axes)
+                except Unsupported as exc:
+                    steps = str(exc)
+                key = options_key(src, dst, meta, mesh_shape, grad_axes)
+                assert by_key.setdefault(key, steps) == steps, (src, dst, meta, mesh_shape, grad_axes)
+                cases += 1
+    assert len(by_key) < cases * 3 / 4  # tensors of equal bytes share a key
+    wide, tall, large = (TensorMeta(shape, torch.float32) for shape in [(8, 16), (16, 8), (16, 16)])
+    gather = (Shard(0), R), (R, R), (2, 4)
+    assert options_key(gather[0], gather[1], wide, gather[2]) == options_key(gather[0], gather[1], tall, gather[2])
+    assert options_key(gather[0], gather[1], wide, gather[2]) != options_key(gather[0], gather[1], large, gather[2])

@@ -80,6 +80,8 @@ class Profile:
     # seconds of collectives already priced on it (`autotp.cost.comm`): a costing of 70B asks 41,000 times for some
     # 230 distinct ones; the profile is never changed once loaded, so they hold for its life
     spans: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    # `autotp.cost.reshard.edge_cost` of the redistributions already priced on it, by the steps they take
+    redistributions: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def peak_flops(self, dtype) -> float:
         key = str(dtype).removeprefix("torch.")

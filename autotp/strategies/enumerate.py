@@ -103,15 +103,23 @@ def prune_unreachable(graph: OpGraph, strategies: OpStrategies) -> None:
     dropped too. Without this, identical layers sharing a choice could be tied
     to choices the ILP cannot satisfy.
     """
-    partial_axes: dict[str, set[int]] = {}  # per op, once pruned: the mesh axes some strategy leaves its output P on
-    # per strategy object (twin ops share them), by id: every one looked up was alive before the walk, so none
-    # shares an id with another (a pruned one freed meanwhile leaves its id only to objects never looked up)
+    # per op, once pruned: the mesh axes some strategy leaves its output P on
+    partial_axes: dict[str, frozenset[int]] = {}
+    # what is looked up by the ids of strategy objects: ``needs`` per object (twin ops share them), and each op's
+    # pruning by its options' objects and its inputs' partial axes (the same op in each of 80 layers is pruned
+    # once); ``pruned`` holds every such list of options, so no id is reused by another object during the walk
     needs: dict[int, tuple] = {}
+    pruned: dict[tuple, tuple[list, frozenset[int], list]] = {}
     for op in graph.nodes():
         options = strategies.by_node[op.name]
-        kept = [s for s in options if all(axis in partial_axes[op.inputs[i]] for i, axis in _needs(s, needs))]
-        kept = strategies.by_node[op.name] = kept or [replicated_strategy(op, len(options[0].out))]
-        partial_axes[op.name] = {axis for s in kept for axis, p in enumerate(s.out) if isinstance(p, Partial)}
+        key = tuple(map(id, options)), tuple(partial_axes[name] for name in op.inputs)
+        if key not in pruned:
+            kept = [s for s in options if all(axis in partial_axes[op.inputs[i]] for i, axis in _needs(s, needs))]
+            kept = kept or [replicated_strategy(op, len(options[0].out))]
+            axes = frozenset(axis for s in kept for axis, p in enumerate(s.out) if isinstance(p, Partial))
+            pruned[key] = kept, axes, options
+        kept, partial_axes[op.name], _ = pruned[key]
+        strategies.by_node[op.name] = list(kept)
 
 
 def _needs(strategy: Strategy, needs: dict[int, tuple]) -> tuple:
