@@ -87,8 +87,9 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
     # the peak: every term, or with one micro-batch the larger of two moments (`autotp.solve.step.memory_bytes`):
     # ``memory`` as backward starts (every term but the gradients), ``state`` as it ends
     two_moments = counts_memory and problem.peak_in_backward
+    replicated = replicated_choices(problem)  # the warm start of a time-limited solve, kept by dead-end elimination
     reduced = reduce_problem(problem, time=minimise == "time", memory=counts_memory,
-                             keep=replicated_choices(problem)) if reduce else possible(problem)
+                             keep=replicated) if reduce else possible(problem)
     for name, group in problem.groups.items():
         allowed = reduced.choices[name]
         if not allowed:
@@ -135,7 +136,7 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
             for row in rows:
                 lp.ge(peak, row)
         lp.minimise(peak)
-    warm_start_replicated(problem, x)  # CBC starts from it only under a time limit (autotp.solve.gap)
+    warm_start_replicated(problem, x, replicated)  # CBC starts from it only under a time limit (autotp.solve.gap)
     x = dict(x)
     x[_RECOMPUTE] = r
     return lp, x
