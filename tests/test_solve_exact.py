@@ -450,7 +450,7 @@ def test_a_branch_beaten_in_every_set_is_bounded_in_none(monkeypatch):
 
 
 def test_the_sets_models_built_ahead_are_the_ones_the_search_solves(monkeypatch):
-    """Without a plan to beat, the sets' models start building while the relaxation without the limit solves
+    """Without a plan to beat, the sets' models start building before the first relaxation solves
     (`autotp.solve.ilp._Builder.ahead`): where memory binds the search takes them and builds none again, with the
     enumerated optimum; where the most memory any plan may need fits twice over (`_most_plan_bytes`), none at all."""
     from autotp.solve import ilp
@@ -492,6 +492,41 @@ def test_the_sets_models_built_ahead_are_the_ones_the_search_solves(monkeypatch)
             _best(every), abs=1e-9)
         assert builders == [], seed
     assert searched >= 3, searched
+
+
+def test_whether_memory_binds_is_asked_of_the_first_sets_model_first(monkeypatch):
+    """With nothing to beat, the first set's model (every kind regathered), its limit's rows lifted, says first
+    whether memory binds (`autotp.solve.ilp._first_set_binds`): where it says so the search starts there and no
+    model without the limit is built; where it says no, that model is built, as before. Either way the optimum
+    under the limit is the enumerated one, and over 40 problems both happen."""
+    from autotp.solve import ilp
+
+    said, unlimited = [], []
+    real_binds, real_model = ilp._first_set_binds, ilp._model
+
+    def binds(*args):
+        said.append(real_binds(*args))
+        return said[-1]
+
+    def model(problem, minimise, memory_limit_bytes, reduce=True):
+        if minimise == "time" and memory_limit_bytes is None:
+            unlimited.append(problem)
+        return real_model(problem, minimise, memory_limit_bytes, reduce)
+
+    monkeypatch.setattr(ilp, "_first_set_binds", binds)
+    monkeypatch.setattr(ilp, "_model", model)
+    outcomes = {True: 0, False: 0}
+    for seed, problem, every, memories in _solvable(range(5000, 5040)):
+        limit = memories[len(memories) // 3]
+        if _best(every, limit) is None:
+            continue
+        said.clear()
+        unlimited.clear()
+        assert solve(problem, memory_limit_bytes=limit).objective_s == pytest.approx(_best(every, limit), abs=1e-9)
+        if said:
+            assert len(said) == 1 and bool(unlimited) != said[0], (seed, said, len(unlimited))
+            outcomes[said[0]] += 1
+    assert min(outcomes.values()) >= 3, outcomes
 
 
 def test_a_family_of_sets_bounds_them_all_and_a_beaten_one_drops_them(monkeypatch):
