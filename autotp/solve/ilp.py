@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import product
 from typing import NamedTuple
@@ -411,19 +412,28 @@ def _first_set_binds(problem: Problem, limit: float, built: "_Builder") -> bool:
     """Whether the limit binds as the first set's model says it: its relaxation with the limit's rows lifted,
     rounded, is a plan over the limit (`_ROUNDED_MARGIN`) even with every kind regathered (which only frees
     memory). The search under the limit starts on that model, from that relaxation's basis, so a count with no
-    plan to beat that memory binds at (Llama-2-70B at batch 64, 16 micro-batches: 6.4 times the limit) is not
-    first bounded on a model without the limit, a model and a relaxation more (0.5 s and 0.4 s). Where it says
-    no, `solve` asks the model without the limit, as before."""
+    plan to beat that memory binds at (Llama-2-70B at batch 64, 16 micro-batches: its rounded plan needs 1.25
+    times the limit, the one without the limit 1.39 times) is not first bounded on a model without the limit,
+    a model and a relaxation more (0.5 s and 0.4 s). Where it says no, `solve` asks the model without the
+    limit, as before."""
     variant, (lp, x) = built.peek((kind_sets(problem)[0], ()))
+    with _limit_lifted(lp):
+        bound = lp_relaxation_bound(lp)
+    return bound is not None and memory_bytes(variant, _rounded(x)) > limit * (1 + _ROUNDED_MARGIN)
+
+
+@contextmanager
+def _limit_lifted(lp):
+    """``lp`` with its memory limit's rows (`_LIMIT`) lifted, and put back on leaving: a relaxation of it then
+    bounds the plans without the limit, and the next one, under it, starts from that relaxation's basis."""
     limits = [(row, lp.row_lower[row], lp.row_upper[row]) for row in lp.labels.get(_LIMIT, [])]
     try:
         for row, low, _ in limits:
             lp.set_row_bounds(row, low, math.inf)
-        bound = lp_relaxation_bound(lp)
+        yield lp
     finally:
         for row, low, up in limits:
             lp.set_row_bounds(row, low, up)
-    return bound is not None and memory_bytes(variant, _rounded(x)) > limit * (1 + _ROUNDED_MARGIN)
 
 
 def _rounded(x: dict) -> dict[str, int]:
@@ -679,14 +689,8 @@ def _bounded_first(problem: Problem, limit: float, reduce: bool, solver: str, be
     built = variant, (lp, x) = _least_model(problem, limit, reduce)
     if not unlimited:
         return _open_or_beaten(problem, limit, reduce, search, built, beat_s)
-    limits = [(row, lp.row_lower[row], lp.row_upper[row]) for row in lp.labels.get(_LIMIT, [])]
-    try:
-        for row, low, _ in limits:
-            lp.set_row_bounds(row, low, math.inf)
+    with _limit_lifted(lp):
         bound = lp_relaxation_bound(lp, cutoff=search.cutoff_now())
-    finally:
-        for row, low, up in limits:
-            lp.set_row_bounds(row, low, up)
     if bound is None:
         return None  # the relaxation settled nothing: `solve`'s own path says why
     if search.skips(bound):
