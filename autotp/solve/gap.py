@@ -51,18 +51,17 @@ def replicated_choices(problem) -> dict[str, int]:
     return choices
 
 
-def warm_start_replicated(problem, x: dict, choices: dict[str, int] | None = None) -> int:
-    """Set starting values so that each group starts on its fully replicated choice.
+def warm_start_replicated(x: dict, choices: dict[str, int]) -> int:
+    """Set starting values so that each group starts on its fully replicated choice (``choices``:
+    `replicated_choices`, which the caller has found once for dead-end elimination too).
 
-    ``x`` maps a group leader to ``{choice: binary variable}`` (`autotp.solve.linear.Var`); ``choices``:
-    `replicated_choices` of ``problem``, where the caller has them already (each call looks at every member
-    of every group: 80 ops of each of 70B's layer groups).
+    ``x`` maps a group leader to ``{choice: binary variable}`` (`autotp.solve.linear.Var`).
     Groups without a replicated choice (pinned to a split) are left for the
     solver to complete; if the start is infeasible (a memory limit), it is
     dropped (`complete_start`). Returns how many groups were given a start.
     """
     started = 0
-    for name, replicated in (replicated_choices(problem) if choices is None else choices).items():
+    for name, replicated in choices.items():
         variables = x.get(name, {})
         if replicated not in variables:
             continue

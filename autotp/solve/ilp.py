@@ -137,7 +137,7 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
             for row in rows:
                 lp.ge(peak, row)
         lp.minimise(peak)
-    warm_start_replicated(problem, x, replicated)  # CBC starts from it only under a time limit (autotp.solve.gap)
+    warm_start_replicated(x, replicated)  # CBC starts from it only under a time limit (autotp.solve.gap)
     x = dict(x)
     x[_RECOMPUTE] = r
     return lp, x
