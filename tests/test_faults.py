@@ -119,3 +119,33 @@ def test_a_port_taken_before_rank_0_binds_it_is_tried_again(monkeypatch):
     finally:
         taken.close()
     assert not ports  # the taken port was handed out first
+
+
+_SET_AT_RUN_TIME = {"value": None}  # a forked rank sees what the caller put here; a spawned one imports it afresh
+
+
+def _how_started(rank, world):
+    import faulthandler
+    import sys
+
+    faulthandler.enable()  # needs a real file number: a forked rank writes to the process's own streams
+    faulthandler.disable()
+    sys.stderr.write("")
+    return _SET_AT_RUN_TIME["value"], torch.get_num_threads()
+
+
+def test_ranks_are_forked_where_each_runs_one_thread_and_write_to_real_streams():
+    """Forking skips importing torch again in every rank; it is taken only where a rank runs one intra-op thread
+    (torch's OpenMP pool does not survive a fork), and a forked rank gets the process's streams, not pytest's
+    capture, as a spawned rank would."""
+    from autotp.runtime.spawn import _start_method, _threads
+
+    _SET_AT_RUN_TIME["value"] = "caller"
+    try:
+        seen = spawn(_how_started, 2)
+    finally:
+        _SET_AT_RUN_TIME["value"] = None
+    forked = _start_method(2) == "fork"
+    assert forked == (_threads(2) == 1)
+    assert seen == [("caller" if forked else None, _threads(2))] * 2
+    assert _start_method(1) == ("fork" if _threads(1) == 1 else "spawn")
