@@ -508,7 +508,7 @@ def _placeholder_grads(gm, args: tuple, kwargs: dict) -> dict[str, bool]:
 
 def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, device_mesh=None,
                 batch_collectives: bool = False, overlap: bool = False, counter=None, weights=None,
-                device=None) -> torch.fx.GraphModule:
+                device=None, captured: Captured | None = None) -> torch.fx.GraphModule:
     """This rank's program for ``plan``: a GraphModule with sharded parameters and collectives.
 
     Call it on every rank of an initialised process group whose size is the
@@ -533,17 +533,24 @@ def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, devi
     ``device`` without ``weights`` cuts the shards out of ``model``'s own
     weights and places them, its buffers and the tensors the program creates
     on ``device`` (``cuda:<local rank>``), leaving ``model`` where it is.
+    ``captured`` (`capture_for`: ``model`` captured at the plan's inputs) is
+    lowered instead of capturing ``model`` here, where ranks fork from one
+    process that captured it once: a model's export is most of a rank's set-up
+    (39.8 of 52.6 s of a rank of tests/test_transformers.py). The lowering
+    rewrites it in place, so it serves one call.
     """
     import torch.distributed as dist
 
+    if captured is not None:
+        _check_captured(captured, model)
     if device_mesh is None and groups is None:
         device_mesh = plan_device_mesh(plan.mesh, _mesh_device_type(device, model))
     if device_mesh is not None:
         groups, rank = device_mesh_groups(device_mesh, plan.mesh)
     rank = dist.get_rank() if rank is None else rank
-    args, kwargs = inputs_from_specs(plan.inputs, device=_device_of(model))
-    gm = capture(model, args, kwargs, replay_layers=replays_layers(plan))
-    graph = build_opgraph(gm, _placeholder_grads(gm, args, kwargs))
+    captured = captured if captured is not None else capture_for(model, plan)
+    gm, graph = captured.gm, captured.graph
+    gm.meta[_LOWERED] = True
     if weights is None and device is not None:  # the model's own weights, each rank's shards moved to device
         weights = StateDictSource(model.state_dict())
     loader = (prepare_weights(gm, weights, plan.mesh.shape, device, captured_on=_device_of(model))
@@ -553,6 +560,27 @@ def parallelize(model, plan: Plan, rank: int | None = None, groups=None, *, devi
     if weights is not None and torch.device(device or "cpu").type != "meta":  # meta asked for: nothing to check
         check_materialized(local)
     return fix_mode(local, plan.training)
+
+
+def capture_for(model, plan: Plan) -> Captured:
+    """``model`` captured at ``plan``'s inputs as `parallelize` captures it, for ``parallelize(..., captured=)``:
+    made once in a process whose ranks fork from it, where each would otherwise capture the model again."""
+    args, kwargs = inputs_from_specs(plan.inputs, device=_device_of(model))
+    return capture_model(model, args, kwargs, replay_layers=replays_layers(plan))
+
+
+_LOWERED = "autotp_lowered"  # a captured program's meta key, set once the lowering has rewritten it
+
+
+def _check_captured(captured: Captured, model) -> None:
+    """A `PlanError` unless ``captured`` is ``model``'s (its parameters the model's own) and not lowered yet."""
+    if captured.gm.meta.get(_LOWERED):
+        raise PlanError("captured was lowered already (the lowering rewrites it in place): capture the model "
+                        "again with autotp.api.capture_for(model, plan) for each parallelize")
+    own = {id(t) for t in (*model.parameters(), *model.buffers())}
+    if any(id(p) not in own for p in captured.gm.parameters()):
+        raise PlanError("captured holds parameters that are not this model's: pass the model it was captured "
+                        "from (autotp.api.capture_for(model, plan)), or leave captured out")
 
 
 def _mesh_device_type(device, model) -> str:

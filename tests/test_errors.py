@@ -57,6 +57,29 @@ def test_parallelize_without_process_group():
         autotp.parallelize(model, plan)
 
 
+def _lower_one_capture_twice(rank, world, model, plan):
+    from autotp.api import capture_for
+
+    captured = capture_for(model, plan)
+    autotp.parallelize(model, plan, captured=captured)
+    try:
+        autotp.parallelize(model, plan, captured=captured)
+    except PlanError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_capture_is_lowered_for_its_own_model_once():
+    from autotp.api import capture_for
+
+    model, inputs = make_model("mlp")
+    plan = autotp.plan(model, autotp.Mesh("2"), inputs)
+    with pytest.raises(PlanError, match="not this model's"):
+        autotp.parallelize(make_model("mlp")[0], plan, captured=capture_for(model, plan))
+    messages = spawn(_lower_one_capture_twice, 2, model, plan)
+    assert all("lowered already" in m and "capture_for(model, plan)" in m for m in messages), messages
+
+
 def test_memory_limit_no_plan_meets():
     model, inputs = make_model("mlp")
     with pytest.raises(MemoryLimitError, match=r"no plan fits 1.0 KiB per device.*smallest any plan reaches is .*"

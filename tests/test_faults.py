@@ -138,14 +138,14 @@ def test_ranks_are_forked_where_each_runs_one_thread_and_write_to_real_streams()
     """Forking skips importing torch again in every rank; it is taken only where a rank runs one intra-op thread
     (torch's OpenMP pool does not survive a fork), and a forked rank gets the process's streams, not pytest's
     capture, as a spawned rank would."""
-    from autotp.runtime.spawn import _start_method, _threads
+    from autotp.runtime.spawn import start_method, _threads
 
     _SET_AT_RUN_TIME["value"] = "caller"
     try:
         seen = spawn(_how_started, 2)
     finally:
         _SET_AT_RUN_TIME["value"] = None
-    forked = _start_method(2) == "fork"
+    forked = start_method(2) == "fork"
     assert forked == (_threads(2) == 1)
     assert seen == [("caller" if forked else None, _threads(2))] * 2
-    assert _start_method(1) == ("fork" if _threads(1) == 1 else "spawn")
+    assert start_method(1) == ("fork" if _threads(1) == 1 else "spawn")

@@ -24,6 +24,7 @@ from autotp.placement import Shard
 from autotp.runtime import spawn
 from autotp.runtime.verify import max_errors
 from conftest import compute_bound_profile
+from helpers import captured_for_ranks
 
 TOLERANCE = 1e-5
 DROPOUT = 0.1  # in training
@@ -43,18 +44,18 @@ def _build(name, overrides, train):
 
 
 def _plan(name, overrides, train, kind, mesh):
+    """The case's plan, and what its ranks run: the model, its inputs and its capture (`captured_for_ranks`)."""
     model, args, kwargs = _build(name, overrides, train)
     if kind == "hf_tp_plan":
-        return autotp.plan(model, mesh, args, kwargs, pin=hf_tp_plan_pins(model, mesh.ndim))
-    return autotp.plan(model, mesh, args, kwargs, profile=compute_bound_profile())
+        plan = autotp.plan(model, mesh, args, kwargs, pin=hf_tp_plan_pins(model, mesh.ndim))
+    else:
+        plan = autotp.plan(model, mesh, args, kwargs, profile=compute_bound_profile())
+    return plan, (model, args, kwargs, captured_for_ranks(model, plan, mesh.size))
 
 
 def _run(rank, world, cases):
-    out = []
-    for name, overrides, train, kind, plan in cases:
-        model, args, kwargs = _build(name, overrides, train)
-        out.append(max_errors(model, plan, args, rank, kwargs=kwargs))
-    return out
+    return [max_errors(model, plan, args, rank, kwargs=kwargs, captured=captured)
+            for _, _, _, _, plan, (model, args, kwargs, captured) in cases]
 
 
 @pytest.fixture(scope="module", params=["4", "2x2"])
@@ -65,14 +66,14 @@ def results(request):
     mesh = autotp.Mesh(request.param)
     chosen = CASES if mesh.ndim == 1 else [c for c in CASES if c[2] and not c[1] and c[3] == "ilp"
                                            and c[0] in ("llama", "gpt2")]
-    cases = [(n, o, t, k, _plan(n, o, t, k, mesh)) for n, o, t, k in chosen]
+    cases = [(n, o, t, k, *_plan(n, o, t, k, mesh)) for n, o, t, k in chosen]
     return mesh, cases, spawn(_run, mesh.size, cases)
 
 
 def test_logits_and_every_gradient_match(results):
     mesh, cases, per_rank = results
     for rank, errors in enumerate(per_rank):
-        for (name, overrides, train, kind, _), err in zip(cases, errors):
+        for (name, overrides, train, kind, _, _), err in zip(cases, errors):
             where = f"{name}{overrides or ''} ({'train' if train else 'eval'}, {kind}) on {mesh}, rank {rank}"
             assert err["output"] <= TOLERANCE, f"{where}: output error {err['output']:.2e}"
             assert err["gradient"] <= TOLERANCE, f"{where}: gradient error {err['gradient']:.2e}"
@@ -84,7 +85,7 @@ def test_training_plans_split_their_random_ops(results):
     the ILP's plan splits one (batch or heads), and the dropout really changes the loss. (Under Hugging Face's
     plan Llama's grouped-query attention, its only dropout, runs whole.)"""
     mesh, cases, _ = results
-    for name, overrides, train, kind, plan in cases:
+    for name, overrides, train, kind, plan, _ in cases:
         if not train or kind != "ilp":
             continue
         split = [n for n, e in plan.nodes.items() if e.op.split(".")[0] in ("dropout", "scaled_dot_product_attention")
@@ -98,7 +99,7 @@ def test_training_plans_split_their_random_ops(results):
 
 def test_no_matmul_falls_back(results):
     _, cases, _ = results
-    for name, _, _, _, plan in cases:
+    for name, _, _, _, plan, _ in cases:
         bad = [n for n, reason in plan.fallback_ops.items() if plan.nodes[n].op.split(".")[0] in MATMULS]
         assert not bad, f"{name}: {bad}"
 

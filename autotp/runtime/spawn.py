@@ -9,7 +9,7 @@ process group also gets a timeout, so a rank left alone in a collective gives
 up on its own even without the parent.
 
 The ranks are forked from the caller where that is safe, and spawned as
-fresh interpreters otherwise (`_start_method`): a fresh interpreter imports
+fresh interpreters otherwise (`start_method`): a fresh interpreter imports
 torch again before it runs a line of ``fn``, some 2 s per rank on a 2-core
 machine (four ranks of a trivial all-reduce: 8.3 s spawned, 0.4 s forked),
 which the test suite paid at every one of its process groups.
@@ -51,7 +51,7 @@ def _threads(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
-def _start_method(world: int) -> str:
+def start_method(world: int) -> str:
     """``"fork"`` where a forked rank runs as a spawned one would, else ``"spawn"``. Forking needs: the platform to
     have it; no CUDA initialised here (a forked child cannot use it); and one intra-op thread per rank, because
     torch's OpenMP thread pool does not survive a fork: a forked child that runs two threads hangs in its first
@@ -123,7 +123,7 @@ def _port_taken(failures: dict) -> bool:
 
 
 def _spawn_once(fn, world_size: int, args: tuple, timeout_s: float) -> tuple[list, dict]:
-    ctx = mp.get_context(_start_method(world_size))
+    ctx = mp.get_context(start_method(world_size))
     for stream in (sys.stdout, sys.stderr):  # a forked child would write what is still buffered here again
         stream.flush()
     queue = ctx.Queue()

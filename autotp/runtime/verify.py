@@ -83,9 +83,10 @@ def worst_gradient_error(local, reference, plan, rank: int) -> float:
                for n, p in local.named_parameters())
 
 
-def max_errors(model: torch.nn.Module, plan, inputs, rank: int, groups=None, kwargs=None) -> dict:
+def max_errors(model: torch.nn.Module, plan, inputs, rank: int, groups=None, kwargs=None, captured=None) -> dict:
     """This rank against one device: the largest error of its outputs and of its parameters' gradients (in
-    float32 terms, above), how many parameters were compared, and any shape or dtype mismatch named."""
+    float32 terms, above), how many parameters were compared, and any shape or dtype mismatch named.
+    ``captured``: ``model`` captured for ``plan`` (`autotp.api.capture_for`), lowered instead of capturing it."""
     from autotp.api import parallelize
 
     kwargs = kwargs or {}
@@ -94,7 +95,7 @@ def max_errors(model: torch.nn.Module, plan, inputs, rank: int, groups=None, kwa
     ref_out = _tensors(reference(*inputs, **kwargs))
     upstream = _upstream(ref_out)
     _loss(ref_out, upstream).backward()
-    local = parallelize(model, plan, rank=rank, groups=groups)
+    local = parallelize(model, plan, rank=rank, groups=groups, captured=captured)
     torch.set_rng_state(rng)
     out = _tensors(local(*inputs, **kwargs))
     coords, shape = plan.mesh.coords(rank), plan.mesh.shape
