@@ -123,13 +123,22 @@ def dropout_net(p: float, seq: int, batch: int = 4):
     return DropoutNet(p), (torch.randint(0, 32, (batch, seq)), torch.randint(0, 32, (batch, seq)))
 
 
-def planned_and_run(run, make_plans, mesh) -> tuple:
+def planned_and_run(run, make_plans, mesh, ready=None) -> tuple:
     """``(plans, per-rank results)``: ``make_plans(mesh)`` made once, then ``run(rank, world, plans)`` on every rank
-    of ``mesh`` (real gloo process groups): one spawn for all of a module's plans."""
+    of ``mesh`` (real gloo process groups): one spawn for all of a module's plans. ``ready(plans, world)``: what the
+    ranks lower, made here once (`made_for_ranks`) and handed to ``run`` after the plans."""
     from autotp.runtime import spawn
 
     plans = make_plans(mesh)
-    return plans, spawn(run, mesh.size, plans)
+    extra = () if ready is None else (ready(plans, mesh.size),)
+    return plans, spawn(run, mesh.size, plans, *extra)
+
+
+def made_for_ranks(make, plan, world: int) -> tuple:
+    """``(model, captured)``: ``make()``'s model for ``world`` ranks to lower ``plan`` on, and its capture where
+    they fork from here (`captured_for_ranks`)."""
+    model = make()
+    return model, captured_for_ranks(model, plan, world)
 
 
 def check_exact_with_dropout(e: dict, where: str, tolerance: float) -> None:

@@ -36,6 +36,7 @@ from autotp.runtime.verify import scaled_error
 from autotp.interop import pins_from_styles
 from autotp.report.baselines import megatron_styles
 from conftest import compute_bound_profile, weights_bound_profile
+from helpers import captured_for_ranks
 
 TOLERANCE = 1e-5
 MODELS = ("mistral", "gpt2")
@@ -66,15 +67,15 @@ def _output_error(got, want, plan, rank) -> float:
 
 
 def _run(rank, world, cases):
-    return {name: _check(rank, name, flat, square, directory) for name, flat, square, directory in cases}
+    return {name: _check(rank, name, flat, square, directory, ready) for name, flat, square, directory, ready in cases}
 
 
-def _check(rank, name, flat, square, directory):
+def _check(rank, name, flat, square, directory, ready):
     from torch.distributed.tensor import DTensor
 
-    model, args, kwargs = _build(name)
+    (model, args, kwargs, captured), (restored, captured_restored) = ready
     reference = copy.deepcopy(model)
-    local = autotp.parallelize(model, flat)
+    local = autotp.parallelize(model, flat, captured=captured)
     weights = dict(reference.named_parameters())
     params = dict(local.named_parameters())
     placements_match = all(isinstance(p, DTensor) and tuple(map(str, p.placements)) == tuple(flat.parameters[n])
@@ -96,7 +97,7 @@ def _check(rank, name, flat, square, directory):
         optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9, foreach=True)
         optimizer.step()
     dcp.save(local.state_dict(), checkpoint_id=directory)
-    other = autotp.parallelize(_build(name, seed=1)[0], square)
+    other = autotp.parallelize(restored, square, captured=captured_restored)
     before = _output_error(_outputs(other, args, kwargs), _outputs(reference, args, kwargs), square, rank)
     state = other.state_dict()
     dcp.load(state, checkpoint_id=directory)
@@ -116,14 +117,17 @@ def every(tmp_path_factory):
         # Megatron's column and row split on the second axis: another sharding, and the ILP on 2x2 is slow here
         megatron = pins_from_styles(model, megatron_styles(model), mesh_ndim=2)
         square = autotp.plan(model, autotp.Mesh("2x2"), args, kwargs, profile=compute_bound_profile(), pin=megatron)
-        cases.append((name, flat, square, str(tmp_path_factory.mktemp(f"dcp-{name}"))))
+        restored = _build(name, seed=1)[0]  # another model, its weights loaded from the first's checkpoint
+        ready = ((model, args, kwargs, captured_for_ranks(model, flat, 4)),
+                 (restored, captured_for_ranks(restored, square, 4)))  # what the ranks lower, captured here once
+        cases.append((name, flat, square, str(tmp_path_factory.mktemp(f"dcp-{name}")), ready))
     return cases, spawn(_run, 4, cases)
 
 
 @pytest.fixture(params=MODELS)
 def results(request, every):
     cases, per_rank = every
-    name, flat, square, _ = next(c for c in cases if c[0] == request.param)
+    name, flat, square, _, _ = next(c for c in cases if c[0] == request.param)
     return name, flat, square, [r[name] for r in per_rank]
 
 

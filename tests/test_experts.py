@@ -22,6 +22,7 @@ from autotp.capture.experts import EXPERTS, experts
 from autotp.placement import Shard
 from autotp.runtime import spawn
 from autotp.runtime.verify import max_errors
+from helpers import captured_for_ranks
 from autotp.strategies.experts import DOWN, EXPERT_COLUMNS, EXPERT_PARALLEL, GATE_UP, routed_axes
 from conftest import weights_bound_profile
 
@@ -43,17 +44,16 @@ def _routing(kind: str):
 
 
 def _plan(name, mesh, routing=None):
+    """The plan, and what its ranks run: the model, its inputs and its capture (`captured_for_ranks`)."""
     model, args, kwargs = hf_models.build(name)
-    return autotp.plan(model, mesh, args, kwargs, profile=weights_bound_profile(),
+    plan = autotp.plan(model, mesh, args, kwargs, profile=weights_bound_profile(),
                        allow=_routing(routing) if routing else None)
+    return plan, (model, args, kwargs, captured_for_ranks(model, plan, mesh.size))
 
 
-def _run(rank, world, cases):
-    out = []
-    for name, _, plan in cases:
-        model, args, kwargs = hf_models.build(name)
-        out.append(max_errors(model, plan, args, rank, kwargs=kwargs))
-    return out
+def _run(rank, world, planned):
+    return [max_errors(model, plan, args, rank, kwargs=kwargs, captured=captured)
+            for plan, (model, args, kwargs, captured) in planned]
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -63,14 +63,15 @@ def results(request):
     minute to solve, too long for the suite)."""
     if request.param == 2:
         mesh = autotp.Mesh("2")
-        cases = [(name, "ilp", _plan(name, mesh)) for name in MODELS]
-        cases += [("mixtral", "partial", _plan("mixtral", mesh, "partial")),
-                  ("qwen2_moe", "all_to_all", _plan("qwen2_moe", mesh, "all_to_all")),
-                  ("mixtral", "tp_inside", _plan("mixtral", mesh, "tp_inside"))]
+        planned = [(name, "ilp", _plan(name, mesh)) for name in MODELS]
+        planned += [("mixtral", "partial", _plan("mixtral", mesh, "partial")),
+                    ("qwen2_moe", "all_to_all", _plan("qwen2_moe", mesh, "all_to_all")),
+                    ("mixtral", "tp_inside", _plan("mixtral", mesh, "tp_inside"))]
     else:
-        cases = [(name, "ilp", _plan(name, autotp.Mesh("4"))) for name in MODELS]
-        cases.append(("mixtral", "ilp", _plan("mixtral", autotp.Mesh("2x2"))))
-    return cases, spawn(_run, request.param, cases)
+        planned = [(name, "ilp", _plan(name, autotp.Mesh("4"))) for name in MODELS]
+        planned.append(("mixtral", "ilp", _plan("mixtral", autotp.Mesh("2x2"))))
+    cases = [(name, kind, plan) for name, kind, (plan, _) in planned]
+    return cases, spawn(_run, request.param, [both for _, _, both in planned])
 
 
 def test_outputs_and_every_gradient_match_one_device(results):

@@ -56,7 +56,8 @@ from autotp.runtime import accumulate, shard_optimizer
 from autotp.runtime.verify import scaled_error
 from autotp.solve.constraints import same_as
 from conftest import compute_bound_profile
-from helpers import dropout_net, megatron_pins, planned_and_run, recomputed_stretches, split_optimizer_where_whole
+from helpers import (dropout_net, made_for_ranks, megatron_pins, planned_and_run, recomputed_stretches,
+                     split_optimizer_where_whole)
 
 TOLERANCE = 1e-5
 STEPS = 3
@@ -166,7 +167,16 @@ def _single_device(module):
     return step
 
 
-def _run(rank, world, plans):
+def _ready(plans, world):
+    """Per plan, the models its ranks lower, with their captures (`made_for_ranks`): without dropout, with it,
+    and for ZeRO-3 a third one compiled whole."""
+    kinds = {"plain": 0.0, "noisy": DROPOUT}
+    return {name: {kind: made_for_ranks(lambda p=p: _make(p)[0], plan, world)
+                   for kind, p in [*kinds.items(), *([("whole", 0.0)] if name == "zero3" else [])]}
+            for name, plan in plans.items()}
+
+
+def _run(rank, world, plans, ready):
     inputs = _make(0.0)[1]
     batches = _batches(inputs)
     first = _make(0.0)[0]
@@ -179,18 +189,21 @@ def _run(rank, world, plans):
     out = {}
     for name, plan in plans.items():
         counter = CommCounter()
-        local = autotp.parallelize(_make(0.0)[0], plan, counter=counter)
+        model, captured = ready[name]["plain"]
+        local = autotp.parallelize(model, plan, counter=counter, captured=captured)
         optimizer = shard_optimizer(local, torch.optim.AdamW, **ADAMW)
         got = accumulate(local, plan, *inputs)
         gradient, sliced = _gradient_error(local, first, plan, rank)
         gathers = sum(1 for kind, axis, _ in counter.calls if kind == "all_gather" and axis == "dp")
         losses = _train(lambda *b: accumulate(local, plan, *b), optimizer, batches, first=got)
         # with dropout on, from the same seeds as the single device's
-        noisy = autotp.parallelize(_make(DROPOUT)[0], plan)
+        model, captured = ready[name]["noisy"]
+        noisy = autotp.parallelize(model, plan, captured=captured)
         dropped = _train(lambda *b: accumulate(noisy, plan, *b),
                          shard_optimizer(noisy, torch.optim.AdamW, **ADAMW), batches, seed=7)
         if name == "zero3":  # compiled whole: regathering's hooks step aside while Dynamo traces
-            whole = autotp.parallelize(_make(0.0)[0], plan)
+            model, captured = ready[name]["whole"]
+            whole = autotp.parallelize(model, plan, captured=captured)
             loss = torch.compile(whole, fullgraph=True, backend="aot_eager")(*inputs)
             loss.backward()
             compiled = (scaled_error(loss, want), _gradient_error(whole, first, plan, rank)[0])
@@ -205,7 +218,7 @@ def _run(rank, world, plans):
 
 @pytest.fixture(scope="module")
 def results():
-    return planned_and_run(_run, _plans, autotp.Mesh("2x2", names=("dp", "tp")))  # the roles the plans give them
+    return planned_and_run(_run, _plans, autotp.Mesh("2x2", names=("dp", "tp")), _ready)  # the roles the plans give them
 
 
 def test_each_plan_really_uses_its_levers(results):

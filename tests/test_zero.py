@@ -39,7 +39,7 @@ from autotp.runtime.verify import scaled_error
 from autotp.report.baselines import batch_split_only
 from autotp.solve.constraints import replicated_only
 from conftest import compute_bound_profile
-from helpers import make_model, megatron_pins, split_optimizer_where_whole
+from helpers import made_for_ranks, make_model, megatron_pins, split_optimizer_where_whole
 
 TOLERANCE = 1e-5
 STEPS = 3
@@ -153,9 +153,11 @@ def _batch(step: int, inputs) -> tuple:
     return torch.randint(0, 64, inputs[0].shape), torch.randint(0, 64, inputs[1].shape)
 
 
-def _resumed(plan, directory, model, inputs) -> torch.nn.Module:
-    """A new rank module and split optimizer loaded from the checkpoint, after one more step."""
-    local = autotp.parallelize(copy.deepcopy(model), plan)
+def _resumed(plan, directory, made, inputs) -> torch.nn.Module:
+    """A new rank module and split optimizer loaded from the checkpoint, after one more step (``made``: its model
+    and capture, `made_for_ranks`)."""
+    model, captured = made
+    local = autotp.parallelize(model, plan, captured=captured)
     optimizer = shard_optimizer(local, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     load_sharded(directory, local, optimizer, plan, torch.distributed.get_rank())
     local(*_batch(STEPS, inputs)).backward()
@@ -163,13 +165,21 @@ def _resumed(plan, directory, model, inputs) -> torch.nn.Module:
     return local
 
 
-def _train(rank, world, plans, directory):
+def _made(plans, world) -> dict:
+    """Per plan, the three models its ranks lower (split optimizer, plain, resumed), with their captures."""
+    return {name: [made_for_ranks(lambda: make_model("gpt")[0], plan, world) for _ in range(3)]
+            for name, plan in plans.items()}
+
+
+def _train(rank, world, plans, directory, made):
     """Per plan: the single device, the rank module with its optimizer state split, and with a plain optimizer."""
     out = {}
     for name, plan in plans.items():
-        model, inputs = make_model("gpt")
+        inputs = make_model("gpt")[1]
+        (model, captured), (other, captured_other), again = made[name]
         reference = copy.deepcopy(model)
-        split, plain = autotp.parallelize(copy.deepcopy(model), plan), autotp.parallelize(model, plan)
+        split = autotp.parallelize(other, plan, captured=captured_other)
+        plain = autotp.parallelize(model, plan, captured=captured)
         optimizers = [torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1),
                       shard_optimizer(split, torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
                       torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)]
@@ -179,7 +189,7 @@ def _train(rank, world, plans, directory):
         for step in range(STEPS + 1):
             if step == STEPS:  # saved after the last step, resumed in a new module, both one step further
                 save_sharded(f"{directory}/{name}", split, optimizers[1], plan, rank, step)
-                resumed = _resumed(plan, f"{directory}/{name}", model, inputs)
+                resumed = _resumed(plan, f"{directory}/{name}", again, inputs)
             batch = _batch(step, inputs)
             step_losses = [module(*batch) for module in (reference, split, plain)]
             for loss, optimizer in zip(step_losses, optimizers):
@@ -210,7 +220,7 @@ def _train(rank, world, plans, directory):
 def trained(tmp_path_factory):
     mesh = autotp.Mesh("2x2", names=("dp", "tp"))  # the roles the plans below give the axes
     plans = _zero_plans(mesh)
-    return plans, spawn(_train, mesh.size, plans, str(tmp_path_factory.mktemp("zero")))
+    return plans, spawn(_train, mesh.size, plans, str(tmp_path_factory.mktemp("zero")), _made(plans, mesh.size))
 
 
 def test_three_adamw_steps_with_split_optimizer_state_match_one_device(trained):
