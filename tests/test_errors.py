@@ -33,13 +33,18 @@ def test_plan_for_another_model_is_refused():
         lower(capture(other, inputs), plan, rank=0)
 
 
-def _parallelize_on_wrong_world(rank, world, plan):
-    model, _ = make_model("mlp")
+def _error_text(call, error) -> str:
+    """What ``call()`` raises of ``error``, as a rank returns it, or ``"no error"``."""
     try:
-        autotp.parallelize(model, plan)
-    except MeshError as exc:
+        call()
+    except error as exc:
         return str(exc)
     return "no error"
+
+
+def _parallelize_on_wrong_world(rank, world, plan):
+    model, _ = make_model("mlp")
+    return _error_text(lambda: autotp.parallelize(model, plan), MeshError)
 
 
 def test_mesh_larger_than_process_group():
@@ -62,11 +67,7 @@ def _lower_one_capture_twice(rank, world, model, plan):
 
     captured = capture_for(model, plan)
     autotp.parallelize(model, plan, captured=captured)
-    try:
-        autotp.parallelize(model, plan, captured=captured)
-    except PlanError as exc:
-        return str(exc)
-    return "no error"
+    return _error_text(lambda: autotp.parallelize(model, plan, captured=captured), PlanError)
 
 
 def test_a_capture_is_lowered_for_its_own_model_once():
