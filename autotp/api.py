@@ -577,7 +577,7 @@ def _check_captured(captured: Captured, model) -> None:
     if captured.gm.meta.get(_LOWERED):
         raise PlanError("captured was lowered already (the lowering rewrites it in place): capture the model "
                         "again with autotp.api.capture_for(model, plan) for each parallelize")
-    own = {id(t) for t in (*model.parameters(), *model.buffers())}
+    own = {id(p) for p in model.parameters()}
     if any(id(p) not in own for p in captured.gm.parameters()):
         raise PlanError("captured holds parameters that are not this model's: pass the model it was captured "
                         "from (autotp.api.capture_for(model, plan)), or leave captured out")
