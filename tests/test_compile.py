@@ -22,21 +22,22 @@ from autotp.lower.collective_matmul import GatherMatmul, MatmulScatter
 from autotp.runtime import spawn
 from autotp.runtime.verify import scaled_error, worst_gradient_error
 from conftest import compute_bound_profile
-from helpers import dropout_net, make_model
+from helpers import dropout_net, made_for_ranks, make_model
 
 TOLERANCE = 1e-5
 MODELS = {"gpt": lambda: make_model("gpt"), "dropout_net": lambda: dropout_net(0.3, seq=8)}
 
 
-def _run(rank, world, plans):
+def _run(rank, world, plans, made):
     out = {}
     for name, plan in plans.items():
-        model, inputs = MODELS[name]()
+        model, captured = made[name]
+        inputs = MODELS[name]()[1]
         reference = MODELS[name]()[0]
         torch.manual_seed(7)
         want = reference(*inputs)
         want.backward()
-        local = autotp.parallelize(model, plan)
+        local = autotp.parallelize(model, plan, captured=captured)
         compiled = torch.compile(local, fullgraph=True, backend="aot_eager")
         torch.manual_seed(7)
         got = compiled(*inputs)
@@ -52,7 +53,8 @@ def results():
     mesh = autotp.Mesh("4")
     plans = {name: autotp.plan(make()[0], mesh, make()[1], profile=compute_bound_profile())
              for name, make in MODELS.items()}
-    return plans, spawn(_run, mesh.size, plans)
+    made = {name: made_for_ranks(lambda make=make: make()[0], plans[name], mesh.size) for name, make in MODELS.items()}
+    return plans, spawn(_run, mesh.size, plans, made)
 
 
 def test_compiled_rank_modules_are_one_graph_and_exact(results):

@@ -12,26 +12,24 @@ import pytest
 import autotp
 from autotp.runtime import spawn
 from autotp.runtime.verify import max_errors
-from helpers import forced_plan, make_model
+from helpers import forced_plan, made_for_ranks, make_model
 
 PLANS = ("ilp", "replicated", "data_parallel", "megatron")
 MODELS = ("mlp", "gpt")
 TOLERANCE = 1e-5
 
 
-def _run_cases(rank, world, cases):
-    results = []
-    for name, kind, plan in cases:
-        model, inputs = make_model(name)
-        results.append((name, kind, max_errors(model, plan, inputs, rank)))
-    return results
+def _run_cases(rank, world, cases, made):
+    return [(name, kind, max_errors(model, plan, make_model(name)[1], rank, captured=captured))
+            for (name, kind, plan), (model, captured) in zip(cases, made)]
 
 
 @pytest.fixture(scope="module", params=["2", "4", "2x2"])
 def mesh_results(request):
     mesh = autotp.Mesh(request.param)
     cases = [(name, kind, forced_plan(kind, name, mesh)) for name in MODELS for kind in PLANS]
-    return mesh, cases, spawn(_run_cases, mesh.size, cases)
+    made = [made_for_ranks(lambda name=name: make_model(name)[0], plan, mesh.size) for name, _, plan in cases]
+    return mesh, cases, spawn(_run_cases, mesh.size, cases, made)
 
 
 def test_outputs_and_gradients_match_single_device(mesh_results):
