@@ -27,7 +27,7 @@ from autotp.errors import MemoryLimitError
 from autotp.lower.collectives import Collective, CommCounter
 from autotp.report.baselines import sequence_parallel_only
 from autotp.runtime.verify import scaled_error, worst_gradient_error
-from helpers import activation_bound_gpt, check_exact_with_dropout, dropout_net, planned_and_run
+from helpers import activation_bound_gpt, check_exact_with_dropout, dropout_net, made_for_ranks, planned_and_run
 
 TOLERANCE = 1e-5
 HIDDEN = 16  # dropout_net's
@@ -94,19 +94,26 @@ def _gathered_after_forward(local, inputs) -> tuple[torch.Tensor, int]:
     return loss, sum(r() is not None for r in refs)
 
 
-def _run(rank, world, plans):
+def _ready(plans, world):
+    """Per plan, the two models its ranks lower (without dropout and with it), with their captures."""
+    return {name: [made_for_ranks(lambda p=p: _make(p)[0], plan, world) for p in (0.0, 0.3)]
+            for name, plan in plans.items()}
+
+
+def _run(rank, world, plans, ready):
     out, noisy_runs = {}, {}
     for name, plan in plans.items():
-        model, inputs = _make(0.0)
+        (model, captured), (dropping, captured_dropping) = ready[name]
+        inputs = _make(0.0)[1]
         reference = _make(0.0)[0]
         counter = CommCounter()
-        local = autotp.parallelize(model, plan, counter=counter)
+        local = autotp.parallelize(model, plan, counter=counter, captured=captured)
         want = reference(*inputs)
         got, alive = _gathered_after_forward(local, inputs)
         forward = counter.by_kind().get("all_gather", 0)
         want.backward()
         got.backward()
-        noisy = autotp.parallelize(_make(0.3)[0], plan)
+        noisy = autotp.parallelize(dropping, plan, captured=captured_dropping)
         torch.manual_seed(7)
         loss = noisy(*inputs)
         loss.backward()
@@ -124,7 +131,7 @@ def _run(rank, world, plans):
 
 @pytest.fixture(scope="module")
 def results():
-    return planned_and_run(_run, _plans, autotp.Mesh("2x2", names=("dp", "tp")))  # the roles the plans give them
+    return planned_and_run(_run, _plans, autotp.Mesh("2x2", names=("dp", "tp")), _ready)  # the roles the plans give them
 
 
 def test_regathered_inputs_are_freed_after_forward_gathered_again_and_exact(results):
