@@ -35,7 +35,7 @@ from autotp.report.baselines import batch_split_only
 from autotp.runtime import accumulate, local_tensor, shard_optimizer
 from autotp.runtime.verify import worst_gradient_error
 from conftest import compute_bound_profile
-from helpers import planned_and_run, recomputed_stretches, split_optimizer_where_whole
+from helpers import made_for_ranks, planned_and_run, recomputed_stretches, split_optimizer_where_whole
 from models import GPT
 
 TOLERANCE = 1e-5
@@ -89,13 +89,13 @@ def _plans(mesh) -> dict:
     return {"data_parallel": data_parallel, "combined": combined}
 
 
-def _run(rank, world, plans):
+def _run(rank, world, plans, made):
     out = {}
     for name, plan in plans.items():
-        model, inputs = _make()
+        (model, captured), inputs = made[name], _make()[1]
         reference = copy.deepcopy(model)
         counter = CommCounter()
-        local = autotp.parallelize(model, plan, counter=counter)
+        local = autotp.parallelize(model, plan, counter=counter, captured=captured)
         assert local.train() is local and local.training  # the plan's own mode: a no-op, as a training loop calls it
         try:
             local.eval()
@@ -149,7 +149,9 @@ def _run(rank, world, plans):
 
 @pytest.fixture(scope="module")
 def results():
-    return planned_and_run(_run, _plans, autotp.Mesh("2x2"))
+    return planned_and_run(_run, _plans, autotp.Mesh("2x2"),
+                           lambda plans, world: {name: made_for_ranks(lambda: _make()[0], plan, world)
+                                                 for name, plan in plans.items()})
 
 
 def test_a_step_of_micro_batches_matches_the_whole_batch_on_one_device(results):
