@@ -134,6 +134,16 @@ def planned_and_run(run, make_plans, mesh, ready=None) -> tuple:
     return plans, spawn(run, mesh.size, plans, *extra)
 
 
+def captured_for_ranks(model, plan, world: int):
+    """``model`` captured for ``plan`` here, once (`autotp.api.capture_for`), where ``world`` ranks fork from this
+    process and inherit it with ``model``; None where they are spawned (each then captures its own): a model's
+    export is most of a rank's set-up, which every rank paid again."""
+    from autotp.api import capture_for
+    from autotp.runtime.spawn import start_method
+
+    return capture_for(model, plan) if start_method(world) == "fork" else None
+
+
 def made_for_ranks(make, plan, world: int) -> tuple:
     """``(model, captured)``: ``make()``'s model for ``world`` ranks to lower ``plan`` on, and its capture where
     they fork from here (`captured_for_ranks`)."""
@@ -147,13 +157,3 @@ def check_exact_with_dropout(e: dict, where: str, tolerance: float) -> None:
     assert e["output"] <= tolerance, f"{where}: output error {e['output']:.2e}"
     assert e["gradient"] <= tolerance, f"{where}: gradient error {e['gradient']:.2e}"
     assert e["dropout_drew"], f"{where}: dropout did not change the loss: the check proves nothing"
-
-
-def captured_for_ranks(model, plan, world: int):
-    """``model`` captured for ``plan`` here, once (`autotp.api.capture_for`), where ``world`` ranks fork from this
-    process and inherit it with ``model``; None where they are spawned (each then captures its own): a model's
-    export is most of a rank's set-up, which every rank paid again."""
-    from autotp.api import capture_for
-    from autotp.runtime.spawn import start_method
-
-    return capture_for(model, plan) if start_method(world) == "fork" else None

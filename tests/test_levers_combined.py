@@ -170,9 +170,9 @@ def _single_device(module):
 def _ready(plans, world):
     """Per plan, the models its ranks lower, with their captures (`made_for_ranks`): without dropout, with it,
     and for ZeRO-3 a third one compiled whole."""
-    kinds = {"plain": 0.0, "noisy": DROPOUT}
+    dropout = {"plain": 0.0, "noisy": DROPOUT, "whole": 0.0}
     return {name: {kind: made_for_ranks(lambda p=p: _make(p)[0], plan, world)
-                   for kind, p in [*kinds.items(), *([("whole", 0.0)] if name == "zero3" else [])]}
+                   for kind, p in dropout.items() if kind != "whole" or name == "zero3"}
             for name, plan in plans.items()}
 
 
