@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from autotp import load_profile
 from autotp.calibrate.fit import fit_curve, fit_link
+from autotp.calibrate.measure import matmul_flops
 from autotp.cost.comm import collective_time_s
 from autotp.mesh import Mesh
 
@@ -37,6 +40,20 @@ def test_latency_bound_points_borrow_a_real_bandwidth():
     curve = fit_curve([(4096, 1.0e-4), (8192, 1.01e-4), (1 << 20, 1e-3)], "all_gather", 2, 1.0e-4)
     assert all(bw > 0 for _, bw in curve)
     assert curve[0][1] == curve[1][1] == curve[2][1]
+
+
+def test_matmul_sizes_stop_at_the_first_that_takes_long_enough():
+    """The sizes are tried in order up to the first whose matmul takes ``enough_s``; with no such size, all."""
+    for enough_s, tried in ((0.0, [64]), (math.inf, [64, 96, 128])):
+        asked = []
+
+        def sizes():
+            for n in (64, 96, 128):
+                asked.append(n)
+                yield n
+
+        assert matmul_flops(torch.float32, torch.device("cpu"), sizes=sizes(), enough_s=enough_s) > 0
+        assert asked == tried
 
 
 def test_calibrate_cli_writes_a_loadable_profile(tmp_path):

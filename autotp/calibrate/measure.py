@@ -45,14 +45,24 @@ def time_s(fn, device, repeats: int = 5, warmup: int = 1, group=None) -> float:
     return float(median.item())
 
 
-def matmul_flops(dtype: torch.dtype, device, sizes=(256, 512, 1024)) -> float:
-    """Best FLOP/s of a square matmul over ``sizes``: the achievable peak for this dtype."""
+# a matmul that takes this long has amortised its launch long since, and a larger one only makes calibration slower:
+# bfloat16 on a CPU without bfloat16 units runs at 1.2 GFLOP/s at 256 and 0.8 at 1024, where one matmul takes 2.6 s
+# (six of them, with the warm-up: 16 s of every CPU calibration); on a GPU no size here comes near it
+ENOUGH_S = 0.1
+
+
+def matmul_flops(dtype: torch.dtype, device, sizes=(256, 512, 1024), enough_s: float = ENOUGH_S) -> float:
+    """Best FLOP/s of a square matmul over ``sizes``, in order: the achievable peak for this dtype. The sizes
+    stop at the first whose matmul takes ``enough_s`` or more; every rank stops at the same one, as each reads
+    the slowest rank's time (`time_s`)."""
     best = 0.0
     for n in sizes:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         seconds = time_s(lambda: torch.mm(a, b), device, repeats=5)
         best = max(best, 2 * n ** 3 / seconds)
+        if seconds >= enough_s:
+            break
     return best
 
 

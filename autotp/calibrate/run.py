@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from autotp.calibrate.fit import fit_link
-from autotp.calibrate.measure import (COLLECTIVES, collective_time_s, launch_overhead_s, matmul_flops,
+from autotp.calibrate.measure import (COLLECTIVES, ENOUGH_S, collective_time_s, launch_overhead_s, matmul_flops,
                                       memory_bandwidth_Bps)
 from autotp.progress import Progress
 from autotp.cost.profile import SCHEMA_VERSION, USER_DIR, profile_from_dict
@@ -113,7 +113,8 @@ def _profile(name, device, world, mesh, flops, bandwidth, launch, measured) -> d
             "memory_bytes": float(_memory_bytes(device)), "launch_overhead_s": launch,
             "backward_compute_factor": 2.0,
             "sources": {
-                "peak_flops": f"best square matmul (256..1024) per dtype, all ranks at once; {where}",
+                "peak_flops": f"best square matmul (256..1024, up to the first that takes {ENOUGH_S} s) per dtype, "
+                              f"all ranks at once; {where}",
                 "matmul_efficiency": "1.0: peak_flops is already the measured, achieved rate",
                 "memory_bandwidth_Bps": f"64 MiB tensor copy, bytes read + written; {where}",
                 "memory_efficiency": "1.0: the bandwidth is already measured",
