@@ -5,8 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+
+from autotp.cli import main
 
 FACTORY = '''
 import torch
@@ -23,6 +26,19 @@ def run(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "autotp.cli", *args], capture_output=True, text=True, cwd=cwd)
 
 
+def run_here(capsys, *args) -> SimpleNamespace:
+    """`run` in this process (`autotp.cli.main`, as ``python -m autotp.cli`` calls it): the same exit status and
+    output, without the 4 s of a fresh interpreter importing torch; `run` serves what needs a process of its
+    own (the entry point, and the ranks ``verify`` starts)."""
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+
 def write_factory(path: Path, body: str) -> Path:
     """A factory file that can import the example models, wherever it lives."""
     examples = Path(__file__).parents[1] / "examples"
@@ -35,10 +51,10 @@ def factory_file(tmp_path):
     return write_factory(tmp_path / "factory.py", FACTORY)
 
 
-def test_plan_prints_summary_and_writes_json(factory_file, tmp_path):
+def test_plan_prints_summary_and_writes_json(factory_file, tmp_path, capsys):
     # the output whole on every rank: Megatron's one all-reduce after fc2 (with collective matmuls the ILP
     # takes a reduce-scatter that fc2 hides, then an all-gather)
-    out = run("plan", f"{factory_file}:make", "--mesh", "4", "--json", str(tmp_path / "p.json"), "--no-baselines",
+    out = run_here(capsys, "plan", f"{factory_file}:make", "--mesh", "4", "--json", str(tmp_path / "p.json"), "--no-baselines",
               "--whole-outputs", "--no-overlap-tp")
     assert out.returncode == 0, out.stderr
     lines = [line.split() for line in out.stdout.splitlines()]
@@ -56,8 +72,8 @@ def test_plan_prints_summary_and_writes_json(factory_file, tmp_path):
     (["plan", "{factory}:make", "--mesh", "4", "--links", "warp"], "unknown link class 'warp'"),
     (["plan", "{factory}:make", "--mesh", "4", "--memory-limit", "1MB"], "no plan fits 976.6 KiB per device"),
 ])
-def test_bad_input_is_one_line_and_exit_2(factory_file, args, message):
-    out = run(*[a.format(factory=factory_file) for a in args], "--quiet")  # progress lines would precede the error
+def test_bad_input_is_one_line_and_exit_2(factory_file, args, message, capsys):
+    out = run_here(capsys, *[a.format(factory=factory_file) for a in args], "--quiet")  # progress lines would precede the error
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
