@@ -397,6 +397,40 @@ def test_reduced_cost_fixing_and_the_rounded_start_keep_the_optimum(monkeypatch)
     assert fixed and any(offered), (len(fixed), offered)
 
 
+def test_where_memory_does_not_bind_the_mip_starts_from_its_relaxation(monkeypatch):
+    """Where the limit leaves the fastest plan room, the MIP without it is cut off at the plan completed or
+    rounded from its relaxation, with the columns that relaxation's reduced costs prove no faster fixed to 0
+    (`autotp.solve.ilp._from_relaxation`): over 40 problems, each with the completion and without (the rounded
+    plan the cutoff), the optimum is still the enumerated one, columns
+    were fixed, and both outcomes happened: the MIP found a faster plan, and it found none (the relaxation's
+    plan was the optimum)."""
+    from autotp.solve import ilp
+
+    fixed, outcomes = [], set()
+    real_fix, real_run = ilp.fix_beyond, ilp._run
+
+    def fix(lp, duals, cutoff):
+        out = real_fix(lp, duals, cutoff)
+        fixed.extend(out)
+        return out
+
+    def run(lp, x, time_limit_s, solver="cbc", cutoff=None):
+        out = real_run(lp, x, time_limit_s, solver, cutoff)
+        if cutoff is not None and out.status == "Optimal":  # the cutoff: the relaxation's plan, and a margin
+            outcomes.add("faster" if out.objective_s < cutoff / (1 + ilp._BOUND_MARGIN) - 1e-9 else "as fast")
+        return out
+
+    monkeypatch.setattr(ilp, "fix_beyond", fix)
+    monkeypatch.setattr(ilp, "_run", run)
+    completed = ilp._completed
+    for seed, problem, every, memories in _solvable(range(3000, 3040)):
+        for completes in (completed, lambda *args, **kwargs: None):  # the rounded plan, where none is completed
+            monkeypatch.setattr(ilp, "_completed", completes)
+            assert solve(problem, memory_limit_bytes=memories[-1]).objective_s == pytest.approx(
+                _best(every), abs=1e-9), seed
+    assert fixed and outcomes == {"faster", "as fast"}, (len(fixed), outcomes)
+
+
 def test_a_binary_is_fixed_only_where_its_reduced_cost_passes_the_cutoff():
     """One of three choices costing 1, 2 and 10: the relaxation takes the first at 1, and a cutoff of 5 fixes the
     third (at least 1 + 9 > 5) but not the second (1 + 1); released, both are free again, and the MIP with the
