@@ -1,6 +1,6 @@
 """Training under torchrun and sharded checkpoints.
 
-The torchrun test launches ``examples/train_torchrun.py`` twice on 4 gloo
+The torchrun test launches ``examples/train_torchrun.py`` twice on 2 gloo
 processes: 5 steps saving at step 3, then a resume from step 3 that saves
 step 5 and consolidates it. The single-device run it is checked against is
 computed here, with plain PyTorch. The other tests save and load in this
@@ -34,7 +34,7 @@ STEPS, SAVE_AT = 5, 3
 
 def _torchrun(tmp_path, *args) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "examples" / "train_torchrun.py"), "--weights", str(tmp_path / "init.safetensors"),
            "--steps", str(STEPS), "--losses-out", str(tmp_path / "losses.json"), *args]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
