@@ -54,8 +54,8 @@ def factory_file(tmp_path):
 def test_plan_prints_summary_and_writes_json(factory_file, tmp_path, capsys):
     # the output whole on every rank: Megatron's one all-reduce after fc2 (with collective matmuls the ILP
     # takes a reduce-scatter that fc2 hides, then an all-gather)
-    out = run_here(capsys, "plan", f"{factory_file}:make", "--mesh", "4", "--json", str(tmp_path / "p.json"), "--no-baselines",
-              "--whole-outputs", "--no-overlap-tp")
+    out = run_here(capsys, "plan", f"{factory_file}:make", "--mesh", "4", "--json", str(tmp_path / "p.json"),
+                   "--no-baselines", "--whole-outputs", "--no-overlap-tp")
     assert out.returncode == 0, out.stderr
     lines = [line.split() for line in out.stdout.splitlines()]
     assert ["fc1.weight", "S(0)"] in [w[:2] for w in lines] and ["fc2.weight", "S(1)"] in [w[:2] for w in lines]
@@ -73,7 +73,8 @@ def test_plan_prints_summary_and_writes_json(factory_file, tmp_path, capsys):
     (["plan", "{factory}:make", "--mesh", "4", "--memory-limit", "1MB"], "no plan fits 976.6 KiB per device"),
 ])
 def test_bad_input_is_one_line_and_exit_2(factory_file, args, message, capsys):
-    out = run_here(capsys, *[a.format(factory=factory_file) for a in args], "--quiet")  # progress lines would precede the error
+    # --quiet: progress lines would precede the error
+    out = run_here(capsys, *[a.format(factory=factory_file) for a in args], "--quiet")
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -401,9 +401,9 @@ def test_where_memory_does_not_bind_the_mip_starts_from_its_relaxation(monkeypat
     """Where the limit leaves the fastest plan room, the MIP without it is cut off at the plan completed or
     rounded from its relaxation, with the columns that relaxation's reduced costs prove no faster fixed to 0
     (`autotp.solve.ilp._from_relaxation`): over 40 problems, each with the completion and without (the rounded
-    plan the cutoff), the optimum is still the enumerated one, columns
-    were fixed, and both outcomes happened: the MIP found a faster plan, and it found none (the relaxation's
-    plan was the optimum)."""
+    plan the cutoff), the optimum is still the enumerated one, columns were fixed, and both outcomes happened:
+    the MIP found a faster plan, and it found none faster (the relaxation's plan was the optimum). Without a
+    limit the MIP starts so too: the first test's optima without one."""
     from autotp.solve import ilp
 
     fixed, outcomes = [], set()

@@ -414,9 +414,9 @@ def _from_relaxation(problem: Problem, lp, x: dict, solver: str, duals: Duals) -
     """The MIP of ``lp`` without a memory limit (none, or one its fastest plan may meet), whose relaxation was just
     solved to ``duals``, started from what that relaxation gives: its plan completed (`_completed`), or else
     rounded (`_rounded`), as the cutoff, and every column its reduced costs prove no faster than that plan fixed
-    to 0 (`autotp.solve.fixing`). The
-    optimum is the MIP's (that plan is below the cutoff, so of plans as fast the MIP picks as it did without
-    one), or that plan where the solver's tolerances leave the MIP none: exact as `_limited`'s branches are.
+    to 0 (`autotp.solve.fixing`). The optimum is the MIP's (that plan is below the cutoff, so of plans as fast
+    the MIP picks as it did without one), or that plan where the solver's tolerances leave the MIP none: exact
+    as `_limited`'s branches are.
 
     Without them HiGHS spends its root node finding what the relaxation already says: on Mistral of hidden size
     1024 on 2x4 over InfiniBand (40,000 columns, 2,400 binaries; the relaxation leaves 81 of 154 groups split,
@@ -425,11 +425,9 @@ def _from_relaxation(problem: Problem, lp, x: dict, solver: str, duals: Duals) -
     on 4x8 over Ethernet without a limit (`benchmarks/plan_time.py`) solved in 17.0 and 19.2 s, against 27.2 and
     32.1 s, the same optimum."""
     start = time.perf_counter()
-    choice = _rounded(x)  # read before the completion's MIP leaves its own values on the model
-    completed = _completed(lp, x, solver)
-    if completed is not None and step_time(problem, completed).total_s < step_time(problem, choice).total_s:
-        choice = completed
-    target = step_time(problem, choice).total_s * _SCALE
+    rounded = _rounded(x)  # read before the completion's MIP leaves its own values on the model
+    plans = [rounded] + [plan for plan in [_completed(lp, x, solver)] if plan is not None]
+    target, choice = min((step_time(problem, plan).total_s * _SCALE, i, plan) for i, plan in enumerate(plans))[::2]
     if not math.isfinite(target):
         return _run(lp, x, None, solver)
     cutoff = target * (1 + _BOUND_MARGIN)
