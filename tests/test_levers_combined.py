@@ -218,7 +218,8 @@ def _run(rank, world, plans, ready):
 
 @pytest.fixture(scope="module")
 def results():
-    return planned_and_run(_run, _plans, autotp.Mesh("2x2", names=("dp", "tp")), _ready)  # the roles the plans give them
+    mesh = autotp.Mesh("2x2", names=("dp", "tp"))  # the roles the plans give them
+    return planned_and_run(_run, _plans, mesh, _ready)
 
 
 def test_each_plan_really_uses_its_levers(results):
