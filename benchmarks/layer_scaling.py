@@ -58,7 +58,7 @@ def svg_plot(rows: list[dict], path: Path, metric: str, label: str) -> None:
     for layers in sorted({r["layers"] for r in rows}):
         parts.append(f'<text x="{x(layers)}" y="{height - pad + 16}" text-anchor="middle">{layers}</text>')
     for tick in (0, ymax / 2, ymax):
-        parts.append(f'<text x="{pad - 6}" y="{y(tick) + 4}" text-anchor="end">{tick:.1f}</text>')
+        parts.append(f'<text x="{pad - 6}" y="{y(tick) + 4}" text-anchor="end">{tick:.2g}</text>')
     for row, (setting, (name, colour)) in enumerate(SETTINGS.items()):
         points = sorted((r["layers"], r[metric]) for r in rows if r["setting"] == setting)
         if not points:
