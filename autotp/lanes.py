@@ -5,7 +5,7 @@ each is a capture or a graph read off two, costing, and an ILP search:
 Llama-2-70B on 4x8 spends 26 to 40 s so on one core. Threads cannot share
 that work (the search's own Python and the costing's hold the GIL: a
 thread preparing the next count slowed the whole plan down,
-docs/planning.md), so each count runs in a process forked from the caller,
+docs/planning-history.md), so each count runs in a process forked from the caller,
 which holds the captures: the fork shares them, where a fresh process
 would have to capture again (an `OpGraph` holds torch's operators, which
 do not pickle).

@@ -57,8 +57,9 @@ def svg_plot(rows: list[dict], path: Path, metric: str, label: str) -> None:
              f'{label} (s)</text>']
     for layers in sorted({r["layers"] for r in rows}):
         parts.append(f'<text x="{x(layers)}" y="{height - pad + 16}" text-anchor="middle">{layers}</text>')
+    decimals = 1 if ymax >= 1 else 2 if ymax >= 0.1 else 3  # three ticks alike, at any scale of seconds
     for tick in (0, ymax / 2, ymax):
-        parts.append(f'<text x="{pad - 6}" y="{y(tick) + 4}" text-anchor="end">{tick:.2g}</text>')
+        parts.append(f'<text x="{pad - 6}" y="{y(tick) + 4}" text-anchor="end">{tick:.{decimals}f}</text>')
     for row, (setting, (name, colour)) in enumerate(SETTINGS.items()):
         points = sorted((r["layers"], r[metric]) for r in rows if r["setting"] == setting)
         if not points:
