@@ -425,17 +425,12 @@ def _from_relaxation(problem: Problem, lp, x: dict, solver: str, duals: Duals) -
     on 4x8 over Ethernet without a limit (`benchmarks/plan_time.py`) solved in 17.0 and 19.2 s, against 27.2 and
     32.1 s, the same optimum."""
     start = time.perf_counter()
-    rounded = _rounded(x)  # read before the completion's MIP leaves its own values on the model
-    plans = [rounded] + [plan for plan in [_completed(lp, x, solver)] if plan is not None]
+    rounded, completed = _relaxation_plans(lp, x, solver)
+    plans = [rounded] + [completed] * (completed is not None)
     target, choice = min((step_time(problem, plan).total_s * _SCALE, i, plan) for i, plan in enumerate(plans))[::2]
     if not math.isfinite(target):
         return _run(lp, x, None, solver)
-    cutoff = target * (1 + _BOUND_MARGIN)
-    pinned = fix_beyond(lp, duals, cutoff)
-    try:
-        solution = _run(lp, x, None, solver, cutoff)
-    finally:
-        release(lp, pinned)
+    solution = _run_fixed(lp, x, None, solver, target * (1 + _BOUND_MARGIN), duals)
     elapsed = time.perf_counter() - start
     if solution.status not in ("Infeasible", backends.CUT_OFF):
         return replace(solution, solve_s=elapsed)  # the MIP's optimum (of plans as fast, its pick), or its failure
@@ -507,6 +502,24 @@ def _completed(lp, x: dict, solver: str, cutoff: float | None = None) -> dict[st
         for j, low, up in pinned:
             lp.set_bounds(j, low, up)
     return solution.choice if solution.status == "Optimal" else None
+
+
+def _relaxation_plans(lp, x: dict, solver: str, cutoff: float | None = None) -> tuple[dict, dict | None]:
+    """The plans the LP relaxation just solved on ``lp`` gives: rounded (`_rounded`), and completed
+    (`_completed`, None where there is none), read in that order, as the completion's MIP leaves its own values
+    on the model."""
+    rounded = _rounded(x)
+    return rounded, _completed(lp, x, solver, cutoff)
+
+
+def _run_fixed(lp, x, time_limit_s, solver: str, cutoff: float | None, duals: Duals | None) -> Solution:
+    """`_run` with the columns that ``duals`` (a relaxation's of ``lp``) prove no faster than ``cutoff`` fixed
+    to 0 for this solve (`autotp.solve.fixing`), and free again after it: the model serves other solves."""
+    pinned = fix_beyond(lp, duals, cutoff)
+    try:
+        return _run(lp, x, time_limit_s, solver, cutoff)
+    finally:
+        release(lp, pinned)
 
 
 _REPORT_WITHIN = 0.005  # an offered plan this close to its set's bound is told to other lanes before the MIP
@@ -883,8 +896,7 @@ class _Search:
         recompute = _fixed_recompute(x, branch.fixed)
         if recompute is None:
             return False
-        rounded = _rounded(x)  # read before the completion's MIP leaves its own values on the model
-        completed = _completed(lp, x, self.solver, self.cutoff_now())
+        rounded, completed = _relaxation_plans(lp, x, self.solver, self.cutoff_now())
         choice = completed if completed is not None and memory_bytes(variant, completed, recompute) <= self.limit \
             else rounded
         if memory_bytes(variant, choice, recompute) > self.limit:
@@ -985,11 +997,7 @@ def _within(problem: Problem, limit: float, reduce: bool, time_limit_s, solver: 
     for attempt in range(tries):
         lp, x = model if model is not None and row == limit else _model(problem, "time", row, reduce)
         _fix(x, fixed or {})
-        pinned = fix_beyond(lp, duals, cutoff)
-        try:
-            solution = _run(lp, x, time_limit_s, solver, cutoff)
-        finally:
-            release(lp, pinned)
+        solution = _run_fixed(lp, x, time_limit_s, solver, cutoff, duals)
         if solution.status != "Optimal":
             return solution
         excess = memory_bytes(problem, solution.choice, solution.recompute) - limit
