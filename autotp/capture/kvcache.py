@@ -16,6 +16,17 @@ The plan may split the cache as it splits the keys and values it holds, by
 kv-head, each rank then keeping and writing its own heads
 (`autotp.strategies.inplace`); a cache whose heads the devices do not divide
 stays whole.
+
+Every layer keeps all ``max_cache_len`` positions, sliding-window and
+chunked layers (Gemma-2 and 3, Mistral with a window) included. Their
+window is the attention mask's to apply, as transformers' masks do for a
+full-length cache: transformers' own sliding layer instead rolls a buffer
+of the window's size and branches on a Python counter of the tokens seen,
+so one captured step would hold one branch of it, and the counter is state
+that no buffer carries (a second generation would start from the first's
+count). With full-length layers the whole state of the cache is its
+buffers, which `autotp.decoding.reset_cache` empties; the cost is the
+positions beyond each window, which the plan's memory counts.
 """
 
 from __future__ import annotations
@@ -24,6 +35,8 @@ import inspect
 
 import torch
 from torch import nn
+
+from autotp.errors import PlanError
 
 
 class CachedDecoder(nn.Module):
@@ -45,6 +58,7 @@ class CachedDecoder(nn.Module):
         super().__init__()
         from transformers import StaticCache
 
+        _check_generates(model)
         config = model.config
         self.model = model
         self._cache_argument = cache_argument(model)
@@ -53,10 +67,9 @@ class CachedDecoder(nn.Module):
         self._extra = ({"logits_to_keep": logits_to_keep}
                        if "logits_to_keep" in inspect.signature(model.forward).parameters else {})
         self.cache = StaticCache(config=config, max_cache_len=max_cache_len)
-        heads = config.num_key_value_heads or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.cache.layers = [_full_length(layer, max_cache_len, model) for layer in self.cache.layers]
         weight = next(model.parameters())
-        self.cache.early_initialization(batch_size, heads, head_dim, weight.dtype, weight.device)
+        self.cache.early_initialization(batch_size, kv_heads(config), head_dim(config), weight.dtype, weight.device)
         for i, layer in enumerate(self.cache.layers):
             for name in _STATE:
                 self.register_buffer(f"{CACHE_PREFIX}{i}_{name}", getattr(layer, name),
@@ -75,6 +88,52 @@ class CachedDecoder(nn.Module):
                          position_ids=position_ids, use_cache=True, **{self._cache_argument: self.cache},
                          **self._extra)
         return out.logits
+
+
+def _check_generates(model: nn.Module) -> None:
+    """A `PlanError` unless ``model`` is a transformers model that generates with a cache (a causal LM's
+    ``can_generate``, and a forward that takes the cache)."""
+    name = type(model).__name__
+    can_generate = getattr(model, "can_generate", None)
+    if not callable(can_generate) or not can_generate():
+        raise PlanError(f"{name} does not generate (transformers' can_generate() is false, or it is not a "
+                        "transformers model): autotp.decoding steps causal LMs such as AutoModelForCausalLM's")
+    taken = inspect.signature(model.forward).parameters
+    if not {"cache", "past_key_values"} & set(taken):
+        raise PlanError(f"{name}.forward takes no key/value cache (neither cache nor past_key_values): autotp "
+                        "cannot step it one token at a time; generate with it on one device")
+
+
+def kv_heads(config) -> int:
+    """The key/value heads of a layer, under whichever name the config gives them: ``num_key_value_heads`` (Llama,
+    Mistral, Gemma; Falcon maps it), ``num_kv_heads``, or as many as the query heads (GPT-2, BLOOM, OPT, GPT-NeoX
+    name those ``n_head`` or ``num_attention_heads``, which transformers' configs map to the latter)."""
+    for name in ("num_key_value_heads", "num_kv_heads", "num_attention_heads"):
+        heads = getattr(config, name, None)
+        if heads:
+            return heads
+    raise PlanError(f"{type(config).__name__} names no attention heads (num_key_value_heads, num_kv_heads or "
+                    "num_attention_heads): autotp cannot size its key/value cache")
+
+
+def head_dim(config) -> int:
+    """The width of one head: the config's ``head_dim`` (Gemma's differs from hidden / heads), else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _full_length(layer, max_cache_len: int, model: nn.Module):
+    """``layer`` as a full-length ``StaticLayer``: a sliding-window or chunked layer becomes one (its window is the
+    mask's); a layer of another kind (linear attention, a compressed or indexed cache) holds state this decoder does
+    not carry, so the model is refused by name."""
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    if type(layer) is StaticLayer:
+        return layer
+    if type(layer) is StaticSlidingWindowLayer:
+        return StaticLayer(max_cache_len=max_cache_len)
+    raise PlanError(f"{type(model).__name__}'s cache has a {type(layer).__name__}, which holds state other than "
+                    "keys and values: autotp steps models whose every layer caches keys and values (full, sliding "
+                    "or chunked attention); generate with this model on one device")
 
 
 def cache_argument(model: nn.Module) -> str:
