@@ -68,8 +68,8 @@ MEMORY_RESERVE = 0.05  # of the device's memory, kept back by the default limit:
 
 
 def default_memory_limit(profile) -> int:
-    """A plan must fit the device: its memory less `MEMORY_RESERVE`. An inference plan's memory is its weights and
-    buffers (a key/value cache): served models are split to fit as trained ones are."""
+    """A plan must fit the device: its memory less `MEMORY_RESERVE`. An inference plan's memory is its weights,
+    buffers (a key/value cache) and largest working set: served models are split to fit as trained ones are."""
     return int(profile.device["memory_bytes"] * (1 - MEMORY_RESERVE))
 
 

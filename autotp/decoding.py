@@ -44,11 +44,17 @@ class DecodingPlans:
     max_length: int
 
     def summary(self) -> str:
-        """The predicted time of each step and the cache each device keeps."""
+        """The predicted time of each step, the throughput per device, and the memory each device keeps."""
+        token_s, devices = self.decode.predicted["total_s"], self.decode.mesh.size
+        peak = max(self.prefill.memory["total"], self.decode.memory["total"])
         return (f"prefill of {self.batch_size}x{self.prompt_length} tokens: "
                 f"{self.prefill.predicted['total_s'] * 1e3:.3f} ms predicted\n"
-                f"decode: {self.decode.predicted['total_s'] * 1e3:.3f} ms predicted per token, buffers (the cache) "
+                f"decode: {token_s * 1e3:.3f} ms predicted per token, buffers (the cache) "
                 f"{format_bytes(self.decode.memory.get('buffers', 0))} per device\n"
+                f"throughput: {self.batch_size / token_s:.1f} tokens/s decoding {self.batch_size} rows, "
+                f"{self.batch_size / (token_s * devices):.1f} per device\n"
+                f"memory per device: {format_bytes(peak)} at the peak (weights, cache, and the prefill's largest "
+                f"working set {format_bytes(self.prefill.memory.get('activations', 0))})\n"
                 f"cache layouts: {_cache_layouts(self.decode)}" + _whole_note(self))
 
 

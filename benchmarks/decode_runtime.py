@@ -1,10 +1,12 @@
 """Generation on the clock: autotp's prefill and decode programs against one process and DTensor with HF's tp_plan.
 
-    python benchmarks/decode_runtime.py [--worlds 2,4] [--batches 1,8] [--layers 4 --hidden 512]
-                                        [--prompt 64] [--new 32] [--rounds 5] [--warmup 1] [--quick]
+    python benchmarks/decode_runtime.py [--families llama,gemma2,...] [--worlds 2,4] [--batches 1,8]
+                                        [--layers 4 --hidden 512] [--prompt 64] [--new 32] [--rounds 5]
+                                        [--warmup 1] [--quick]
 
-A transformers ``LlamaForCausalLM`` (random weights, fp32, eval mode)
-generates ``--new`` tokens greedily after prompts of ``--prompt`` tokens
+A transformers causal LM of each family in ``--families`` (`FAMILIES`:
+Llama, Mistral and Gemma-2 with a sliding window of half the prompt,
+GPT-2, BLOOM, Falcon and OPT; random weights, fp32, eval mode) generates ``--new`` tokens greedily after prompts of ``--prompt`` tokens
 (the first row of a batch left-padded to half its length, as transformers
 batches prompts of different lengths), through transformers' ``StaticCache``
 of prompt + new slots, several ways, for each number of gloo processes in
@@ -19,7 +21,8 @@ of prompt + new slots, several ways, for each number of gloo processes in
 - ``DTensor + HF tp_plan``: ``parallelize_module`` with the styles of the
   model's ``tp_plan`` (`runtime.hf_tp_parallelize`), the cache allocated at
   its first write with each rank's heads (transformers' lazy
-  initialisation, as it serves a tp_plan);
+  initialisation, as it serves a tp_plan). These two only for the families
+  whose config has a ``tp_plan`` (Llama, Mistral, Gemma-2);
 - ``one process``: the eager model with its cache (`CachedDecoder`, which
   is transformers' forward with a ``StaticCache``), in one process using
   every core (run on its own, after the others), and beside it ``autotp,
@@ -65,9 +68,42 @@ BASELINES = ("one process", "DTensor + HF tp_plan")
 QUICK = dict(worlds="2", batches="2", layers=1, hidden=128, prompt=8, new=4, rounds=1, warmup=0)
 
 
-def model_and_prompts(layers: int, hidden: int, batch: int, prompt: int, new: int):
+def _config(family: str, layers: int, hidden: int, positions: int, window: int):
+    """A config of ``family`` with heads of 64 (as many kv-heads), ``window`` the sliding window where it has one."""
+    import transformers
+
+    heads, inner = hidden // 64, int(hidden * 2.6875) // 64 * 64
+    llama = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inner, num_hidden_layers=layers,
+                 num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=positions)
+    return {
+        "llama": lambda: transformers.LlamaConfig(**llama),
+        "mistral": lambda: transformers.MistralConfig(**llama, sliding_window=window),
+        "gemma2": lambda: transformers.Gemma2Config(**llama, head_dim=64, sliding_window=window),
+        "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=layers, n_head=heads,
+                                                n_positions=positions, bos_token_id=0, eos_token_id=0),
+        "bloom": lambda: transformers.BloomConfig(vocab_size=VOCAB, hidden_size=hidden, n_layer=layers,
+                                                  n_head=heads),
+        "falcon": lambda: transformers.FalconConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+                                                    num_attention_heads=heads),
+        "opt": lambda: transformers.OPTConfig(vocab_size=VOCAB, hidden_size=hidden, ffn_dim=inner,
+                                              num_hidden_layers=layers, num_attention_heads=heads,
+                                              max_position_embeddings=positions, word_embed_proj_dim=hidden),
+    }[family]()
+
+
+FAMILIES = ("llama", "mistral", "gemma2", "gpt2", "bloom", "falcon", "opt")
+
+
+def model_and_prompts(layers: int, hidden: int, batch: int, prompt: int, new: int, family: str = "llama"):
     """The model (the same weights on every call, and so on every rank), the prompts and their attention mask."""
-    model = build(layers, hidden, prompt + new)[0].eval()
+    if family == "llama":
+        model = build(layers, hidden, prompt + new)[0].eval()
+    else:
+        import transformers
+
+        torch.manual_seed(0)
+        config = _config(family, layers, hidden, prompt + new, max(2, prompt // 2))
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(1, VOCAB, (batch, prompt), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     if batch > 1:
@@ -149,22 +185,29 @@ def measure(ways, ids, mask, new: int, rounds: int, warmup: int, barrier: bool) 
             for w in ways}
 
 
+def has_tp_plan(model) -> bool:
+    """Whether the model's config carries Hugging Face's own tensor-parallel plan."""
+    return bool(getattr(model.config, "base_model_tp_plan", None))
+
+
 def _run_parallel(rank, world, plans, sizes, rounds, warmup):
-    prompt, new = sizes[3:]
+    prompt, new = sizes[3:5]
     ways = []
     for name, decoding in plans.items():
         model, ids, mask = model_and_prompts(*sizes)
         ways.append(_autotp(name, model, decoding, rank))
-    ways.append(_dtensor(model_and_prompts(*sizes)[0], world, prompt + new))
+    model = model_and_prompts(*sizes)[0]
+    if has_tp_plan(model):
+        ways.append(_dtensor(model, world, prompt + new))
     return measure(ways, ids, mask, new, rounds, warmup, barrier=True)
 
 
 def _run_single(rank, world, one, sizes, rounds, warmup):
     model, ids, mask = model_and_prompts(*sizes)
-    step = CachedDecoder(model, ids.shape[0], ids.shape[1] + sizes[-1])
+    step = CachedDecoder(model, ids.shape[0], ids.shape[1] + sizes[4])
     ways = [Way("one process", step, step, lambda: reset_cache(step)),
             _autotp("autotp, mesh of 1", model_and_prompts(*sizes)[0], one, rank)]
-    return measure(ways, ids, mask, sizes[-1], rounds, warmup, barrier=False)
+    return measure(ways, ids, mask, sizes[4], rounds, warmup, barrier=False)
 
 
 def slowest(per_rank: list[dict], way: str) -> tuple[float, float]:
@@ -175,12 +218,12 @@ def slowest(per_rank: list[dict], way: str) -> tuple[float, float]:
     return statistics.median(prefill), statistics.median(steps)
 
 
-def report(world: int, batch: int, per_rank: list[dict], single: list[dict], plans: dict) -> bool:
+def report(family: str, world: int, batch: int, per_rank: list[dict], single: list[dict], plans: dict) -> bool:
     rows = {w: (per_rank, slowest(per_rank, w)) for w in per_rank[0]} | {w: (single, slowest(single, w))
                                                                        for w in single[0]}
-    best = min(rows[w][1][1] for w in BASELINES)
+    best = min(rows[w][1][1] for w in BASELINES if w in rows)
     expected = single[0]["one process"]["tokens"]
-    print(f"\n### {world} gloo processes, batch {batch}\n")
+    print(f"\n### {family}, {world} gloo processes, batch {batch}\n")
     print("| way | prefill (ms, median) | per token (ms, median) | per token × best of one process, DTensor | "
           "predicted prefill (ms) | predicted per token (ms) | collectives: prefill, per token | tokens |")
     print("|---|---|---|---|---|---|---|---|")
@@ -203,6 +246,7 @@ def report(world: int, batch: int, per_rank: list[dict], single: list[dict], pla
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--families", default="llama", help=f"comma-separated, of {', '.join(FAMILIES)}")
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--layers", type=int, default=4)
@@ -216,20 +260,21 @@ def main(argv=None) -> int:
     if opts.quick:
         vars(opts).update(QUICK)
     started = time.perf_counter()
-    print(f"Llama {opts.layers} layers x {opts.hidden}, vocabulary {VOCAB}, prompts of {opts.prompt} tokens, "
+    print(f"{opts.families}: {opts.layers} layers x {opts.hidden}, vocabulary {VOCAB}, prompts of {opts.prompt} tokens, "
           f"{opts.new} new; torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     same = True
-    for world in (int(w) for w in opts.worlds.split(",")):
-        for batch in (int(b) for b in opts.batches.split(",")):
-            sizes = (opts.layers, opts.hidden, batch, opts.prompt, opts.new)
-            model = model_and_prompts(*sizes)[0]
-            shape = (model, autotp.Mesh(str(world), links="loopback"), batch, opts.prompt, opts.prompt + opts.new)
-            plans = {f"autotp ({PROFILE})": plan_decoding(*shape, profile=PROFILE),
-                     "autotp, HF tp_plan pinned": plan_decoding(*shape, profile=PROFILE, pin=hf_tp_plan_pins(model))}
-            per_rank = spawn(_run_parallel, world, plans, sizes, opts.rounds, opts.warmup, timeout_s=3600)
-            one = plan_decoding(model, autotp.Mesh("1", links="loopback"), *shape[2:], profile=PROFILE)
-            single = spawn(_run_single, 1, one, sizes, opts.rounds, opts.warmup, timeout_s=3600)
-            same &= report(world, batch, per_rank, single, plans | {"autotp, mesh of 1": one})
+    for family, world, batch in ((f, int(w), int(b)) for f in opts.families.split(",")
+                                 for w in opts.worlds.split(",") for b in opts.batches.split(",")):
+        sizes = (opts.layers, opts.hidden, batch, opts.prompt, opts.new, family)
+        model = model_and_prompts(*sizes)[0]
+        shape = (model, autotp.Mesh(str(world), links="loopback"), batch, opts.prompt, opts.prompt + opts.new)
+        plans = {f"autotp ({PROFILE})": plan_decoding(*shape, profile=PROFILE)}
+        if has_tp_plan(model):
+            plans["autotp, HF tp_plan pinned"] = plan_decoding(*shape, profile=PROFILE, pin=hf_tp_plan_pins(model))
+        per_rank = spawn(_run_parallel, world, plans, sizes, opts.rounds, opts.warmup, timeout_s=3600)
+        one = plan_decoding(model, autotp.Mesh("1", links="loopback"), *shape[2:], profile=PROFILE)
+        single = spawn(_run_single, 1, one, sizes, opts.rounds, opts.warmup, timeout_s=3600)
+        same &= report(family, world, batch, per_rank, single, plans | {"autotp, mesh of 1": one})
     print(f"\n{time.perf_counter() - started:.0f} s in all")
     return 0 if same else 1
 

@@ -174,13 +174,21 @@ def test_fit_70b_one_node_with_two_layers_against_megatron(capsys):
 
 
 def test_decode_70b_two_layers_no_slower_per_token_than_megatron(capsys):
-    decode_70b.main(["--layers", "2", "--only", "8-1,2x4-1", "--prompt", "64", "--max-length", "128"])
-    rows = tables(capsys.readouterr().out)[0]
+    decode_70b.main(["--layers", "2", "--only", "8-1,2x4-1", "--prompt", "64", "--max-length", "128",
+                     "--serving", "2"])
+    rows, serving = tables(capsys.readouterr().out)
     assert [r["case"] for r in rows] == ["mesh 8 (nvlink), batch 1", "mesh 2x4 (infiniband,nvlink), batch 1"]
     for r in rows:
         assert float(r["autotp/megatron"]) <= 1.0 + 1e-9, r
         assert 0 < float(r["decode ms/token"]) < float(r["prefill ms"]), r
         assert r["cache layout"] != "whole", r  # the kv-heads divide: the cache is split
+    chosen = {r["target"].strip("*"): r for r in serving if r["target"].startswith("**")}
+    assert set(chosen) == {"latency", "throughput"}
+    latency = [r for r in serving if r["target"].strip("*") == "latency"]
+    throughput = [r for r in serving if r["target"].strip("*") == "throughput"]
+    assert float(chosen["latency"]["ms/token"]) == min(float(r["ms/token"]) for r in latency)
+    assert float(chosen["throughput"]["tokens/s/device"]) == max(float(r["tokens/s/device"]) for r in throughput)
+    assert int(chosen["throughput"]["batch"]) > 1  # the largest batch that fits, not one row
 
 
 def test_moe_plans_one_layer_the_ilp_no_slower_than_any_way_of_splitting_experts(capsys):
@@ -240,13 +248,16 @@ def test_runtime_quick_every_way_steps(capsys):
 
 
 def test_decode_runtime_quick_every_way_generates_one_process_tokens(capsys):
-    assert decode_runtime.main(["--quick"]) == 0  # non-zero when a way's tokens differ from one process's
-    (rows,) = tables(capsys.readouterr().out)
-    by = {r["way"]: r for r in rows}
-    assert list(by) == [f"autotp ({runtime.PROFILE})", "autotp, HF tp_plan pinned", "DTensor + HF tp_plan",
-                        "one process", "autotp, mesh of 1"]
-    assert all(r["tokens"] == "as one process" for r in rows)
-    assert all(positive(r["prefill (ms, median)"]) and positive(r["per token (ms, median)"]) for r in rows)
+    # non-zero when a way's tokens differ from one process's; GPT-2 has no tp_plan, so no DTensor ways
+    assert decode_runtime.main(["--quick", "--families", "llama,gpt2"]) == 0
+    llama, gpt2 = tables(capsys.readouterr().out)
+    assert [r["way"] for r in llama] == [f"autotp ({runtime.PROFILE})", "autotp, HF tp_plan pinned",
+                                         "DTensor + HF tp_plan", "one process", "autotp, mesh of 1"]
+    assert [r["way"] for r in gpt2] == [f"autotp ({runtime.PROFILE})", "one process", "autotp, mesh of 1"]
+    for rows in (llama, gpt2):
+        assert all(r["tokens"] == "as one process" for r in rows)
+        assert all(positive(r["prefill (ms, median)"]) and positive(r["per token (ms, median)"]) for r in rows)
+    by = {r["way"]: r for r in llama}
     assert by["one process"]["collectives: prefill, per token"] == "0, 0"
     # the same split two ways: both send something every token
     for way in ("autotp, HF tp_plan pinned", "DTensor + HF tp_plan"):

@@ -42,6 +42,7 @@ from autotp.graph.flops import is_alias
 from autotp.graph.opgraph import KIND_OP, KIND_PARAM, KIND_BUFFER
 from autotp.graph.signature import layer_path
 from autotp.placement import Partial, local_bytes
+from autotp.strategies.inplace import writes_in_place
 
 TERMS = ("parameters", "gradients", "optimizer", "buffers", "activations")
 # bytes per parameter element: weight, gradient, optimizer state
@@ -184,3 +185,23 @@ def memory_by_term(graph, chosen: dict, mesh, training: bool, precision: str = A
             terms[term] += nbytes
     terms["total"] = sum(terms.values())
     return terms
+
+
+def working_bytes(op, strategy, mesh, state: frozenset = frozenset()) -> int:
+    """Bytes one op of an inference program holds at once on a device: its inputs, as it takes them, and the
+    outputs it makes, on local shapes.
+
+    The tensors a forward pass without autograd has alive peak at the op
+    with the largest such set: an attention's scores and their softmax, the
+    MLP's widened activations, the LM head's logits. Inputs that are
+    ``state`` (parameters and buffers, counted on their own) and outputs
+    that are views or in-place writes add nothing; a tensor alive across the
+    op that it does not read (a residual stream) is not counted.
+    """
+    if op.kind != KIND_OP:
+        return 0
+    ins = sum(local_bytes(meta, layout, mesh.shape)
+              for name, meta, layout in zip(op.inputs, op.in_metas, strategy.ins) if name not in state)
+    if is_alias(op.target) or writes_in_place(op):
+        return ins
+    return ins + sum(local_bytes(meta, strategy.out, mesh.shape) for meta in op.out)

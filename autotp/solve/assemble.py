@@ -24,6 +24,7 @@ from autotp.solve.problem import (OUTPUT, deferred_parameters, output_layout, sp
                                   uses_of)
 from autotp.solve.recompute import recompute_effect, recomputed_layers
 from autotp.solve.step import matmul_hidden_s, regather_effect, step_time
+from autotp.solve.working import working_peak_bytes
 
 
 def chosen_strategies(problem, solution) -> dict:
@@ -176,6 +177,7 @@ def plan_memory(graph, problem, solution, chosen, mesh, training, whole_outputs:
     _, freed, transient = recompute_effect(problem, solution.choice, solution.recompute)
     freed += regather_effect(problem, solution.choice, solution.regather)[1]
     extra = kept_gathered_bytes(graph, chosen, mesh, training, whole_outputs, problem.recomputable) + transient - freed
+    extra += working_peak_bytes(problem, solution.choice)  # inference: the largest working set of one op
     terms["activations"] += extra
     terms["total"] += extra
     if problem.peak_in_backward:  # the larger of backward's start and end, not every term at once

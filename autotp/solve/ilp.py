@@ -105,6 +105,11 @@ def _model(problem: Problem, minimise: str, memory_limit_bytes: float | None, re
             continue
         memory.append(Lin(columns, [(group.memory_bytes[c] - group.gradient_bytes[c]) / _BYTES for c in allowed]))
         state.append(_terms(x[name], {c: group.state_bytes[c] / _BYTES for c in allowed}))
+    if counts_memory and problem.working:  # inference: the largest working set, a column above each group's
+        working = lp.var()
+        for name, values in problem.working.items():
+            lp.ge(working, Lin([x[name][c].index for c in x[name]], [values[c] / _BYTES for c in x[name]]))
+        memory.append(working)
     y = {}
     for (gu, gv), table in problem.edges.items():
         y[gu, gv] = _pair_variables(lp, x[gu], x[gv], reduced.pairs[gu, gv])

@@ -47,6 +47,7 @@ from autotp.solve.prefetch import build_prefetch
 from autotp.solve.recompute import LAYERS, recompute_classes
 from autotp.solve.regather import Regather, regather_kind
 from autotp.solve.tp_overlap import Hidden
+from autotp.solve.working import working_sets
 from autotp.strategies.enumerate import OpStrategies
 from autotp.strategies.inplace import writes_in_place
 
@@ -126,6 +127,7 @@ class Problem:
     regather: dict[str, Regather] = field(default_factory=dict)  # kind -> what regathering its uses adds and frees
     tp_overlap: Hidden = field(default_factory=Hidden)  # what collective matmuls hide, already off the costs
     overlap_tp: bool = False  # collective matmuls credited, and run by the lowering (`autotp.cost.collective_matmul`)
+    working: dict[str, list[int]] = field(default_factory=dict)  # inference: per group, its ops' largest working set per choice (`autotp.solve.working`)
 
     @property
     def peak_in_backward(self) -> bool:
@@ -279,6 +281,8 @@ def build_problem(graph: OpGraph, strategies: OpStrategies, mesh, profile, train
     for (producer, arms), count in canonical.items():
         coster.add_uses(producer, list(arms), count, micro_batches)
     problem.regather = {kind: r for kind, r in problem.regather.items() if training and (r.groups or r.edges or r.items)}
+    if not training:  # an inference program peaks at its largest working set beside its state
+        problem.working = working_sets(graph, problem, mesh)
     if training and overlap_gradients:
         problem.chain = build_chain(graph, problem, deferred, coster.gradient_table, mesh, profile, training,
                                     micro_batches)

@@ -33,6 +33,9 @@ The bounds, per piece of the step model (`autotp.solve.problem`):
   holds for the prefetch chain's wait (`autotp.solve.prefetch`), with ZeRO's
   all-gathers and the forward compute, and for the early micro-batches'
   chain, times their number;
+* an inference program's largest working set (`autotp.solve.working`) is a
+  maximum over groups: a switch that does not grow its group's own leaves
+  it where it was, so that is a criterion of its own;
 * a layer class's recomputation (`autotp.solve.recompute`) adds the forward
   seconds of the group's choice if the class is recomputed, and frees its
   activation bytes: the bound adds the rise of the one and the fall of the
@@ -78,6 +81,7 @@ def reduce_problem(problem: Problem, time: bool = True, memory: bool = False,
     criteria = [_TimeBounds(problem, recompute)] if time else []
     if memory:  # with one micro-batch the peak is the larger of two moments: a switch may raise neither
         criteria += [_MemoryBounds(problem, recompute)] + ([_StateBounds(problem)] if problem.peak_in_backward else [])
+        criteria += [_WorkingBounds(problem)] if problem.working else []
     state = _State(problem, criteria, keep or {})
     changed = True
     with np.errstate(invalid="ignore"):  # inf - inf where a choice is a dead end: see _State.base
@@ -215,6 +219,18 @@ class _StateBounds(_Bounds):
     def __init__(self, problem: Problem):
         super().__init__(problem, {g: _finite(group.state_bytes)[:, None] - _finite(group.state_bytes)[None, :]
                                    for g, group in problem.groups.items()}, {})
+
+
+class _WorkingBounds(_Bounds):
+    """An inference program's largest working set (`autotp.solve.working`): a maximum over groups, which a switch
+    leaves where it was if the group's own working set does not grow."""
+
+    def __init__(self, problem: Problem):
+        def rise(g, group):
+            values = _finite(problem.working.get(g, [0] * group.n))
+            return values[:, None] - values[None, :]
+
+        super().__init__(problem, {g: rise(g, group) for g, group in problem.groups.items()}, {})
 
 
 class _State:

@@ -14,6 +14,7 @@ from autotp.solve.chain import chain_times_s
 from autotp.solve.prefetch import prefetch_times_s
 from autotp.solve.problem import Problem, used_items
 from autotp.solve.recompute import recompute_effect
+from autotp.solve.working import working_peak_bytes
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def memory_bytes(problem: Problem, choice: dict[str, int], recomputed=(), regath
     _, freed, transient = recompute_effect(problem, choice, recomputed)
     groups = sum(group.memory_bytes[choice[name]] for name, group in problem.groups.items())
     total = groups + kept_bytes(problem, choice) - freed + transient - regather_effect(problem, choice, regathered)[1]
+    total += working_peak_bytes(problem, choice)  # inference: the largest working set of one op
     if not problem.peak_in_backward:
         return total
     gradients = sum(group.gradient_bytes[choice[name]] for name, group in problem.groups.items())
