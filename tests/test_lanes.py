@@ -62,7 +62,17 @@ def _same(a, b) -> None:
     assert a.predicted == b.predicted
     assert a.memory == b.memory
     assert a.parameters == b.parameters and a.nodes == b.nodes
-    assert (a.recompute, a.regather, a.optimizer_sharding) == (b.recompute, b.regather, b.optimizer_sharding)
+    assert (a.recompute, a.regather) == (b.recompute, b.regather)
+    assert _split_state(a) == _split_state(b)
+
+
+def _split_state(plan) -> list:
+    """The shapes of the parameters whose optimizer state is split, with its axes. Which of equal-shaped
+    parameters (a norm's weight or its bias) carry that state is a tie of equal step and memory: a lane that
+    died is searched again in the caller with the plan to beat of that moment, which depends on which lane
+    finished first, and the solver may then break the tie the other way."""
+    shapes = {n: tuple(p.shape) for n, p in _make()[0].named_parameters()}
+    return sorted((shapes[name], tuple(axes)) for name, axes in plan.optimizer_sharding.items())
 
 
 @pytest.mark.parametrize("fraction, micro_batches", [(0.15, 4), (0.3, 1)])
