@@ -43,16 +43,21 @@ class DecodingPlans:
     prompt_length: int
     max_length: int
 
+    @property
+    def peak_bytes(self) -> int:
+        """Memory per device at the peak of either step: weights, cache and that step's largest working set."""
+        return max(self.prefill.memory["total"], self.decode.memory["total"])
+
     def summary(self) -> str:
-        """The predicted time of each step, the throughput per device, and the memory each device keeps."""
-        token_s, devices = self.decode.predicted["total_s"], self.decode.mesh.size
-        peak = max(self.prefill.memory["total"], self.decode.memory["total"])
+        """The predicted time of each step, the decode step's throughput per device, and the memory each device
+        keeps."""
+        token_s, devices, peak = self.decode.predicted["total_s"], self.decode.mesh.size, self.peak_bytes
         return (f"prefill of {self.batch_size}x{self.prompt_length} tokens: "
                 f"{self.prefill.predicted['total_s'] * 1e3:.3f} ms predicted\n"
                 f"decode: {token_s * 1e3:.3f} ms predicted per token, buffers (the cache) "
                 f"{format_bytes(self.decode.memory.get('buffers', 0))} per device\n"
-                f"throughput: {self.batch_size / token_s:.1f} tokens/s decoding {self.batch_size} rows, "
-                f"{self.batch_size / (token_s * devices):.1f} per device\n"
+                f"decode throughput (the prefill not counted): {self.batch_size / token_s:.1f} tokens/s at "
+                f"{self.batch_size} rows, {self.batch_size / (token_s * devices):.1f} per device\n"
                 f"memory per device: {format_bytes(peak)} at the peak (weights, cache, and the prefill's largest "
                 f"working set {format_bytes(self.prefill.memory.get('activations', 0))})\n"
                 f"cache layouts: {_cache_layouts(self.decode)}" + _whole_note(self))

@@ -11,13 +11,15 @@ weights holds of cache and working set. `plan_serving` weighs both:
   (on the fast links), and the whole mesh; the rest of the mesh serves
   other requests as ``mesh.size // d`` replicas of the same plan. A degree
   whose weights alone exceed the limit is set aside without planning;
-* **the batch**: the largest the memory limit allows on ``d`` devices. A
-  plan's memory is its weights and the cache and working set, which grow
-  with the rows: read off the plan at ``batch_size`` as a line through it
-  and no memory at no rows beside the weights, the limit gives a batch,
-  which is planned; the line through that plan and the first gives the next
-  batch, planned while it grows. A batch whose plan does not fit is reduced
-  by a tenth until one does.
+* **the batch**: the largest the memory limit allows on ``d`` devices, as
+  a line predicts it. A plan's memory is its weights and the cache and
+  working set, which grow with the rows: the line through the weights at no
+  rows and the plan at ``batch_size`` gives a batch at the limit, which is
+  planned; the line through the last two plans gives the next, planned while
+  it grows. Where memory is a line in the rows (as here, where layouts do
+  not change with the batch), that is the largest batch that fits; a batch
+  whose plan does not fit is reduced by a tenth until one does, which may
+  stop short of the largest.
 
 ``target="latency"`` takes the fastest token at ``batch_size`` (1 unless
 given); ``target="throughput"`` the most generated tokens per second per
@@ -37,7 +39,7 @@ from autotp.units import format_bytes
 
 TARGETS = ("latency", "throughput")
 _SHRINK = 0.9  # the batch's factor while its plan does not fit
-_TRIES = 4  # plans tried at shrinking batches before a degree is given up
+_TRIES = 4  # plans at growing batches, and at shrinking ones, before the search of one degree stops
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class ServingOption:
     @property
     def memory_bytes(self) -> int:
         """Per device: weights, cache and the larger step's working set."""
-        return max(self.plans.prefill.memory["total"], self.plans.decode.memory["total"])
+        return self.plans.peak_bytes
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,8 @@ def plan_serving(model, mesh, prompt_length: int, max_length: int, *, target: st
                  **options) -> ServingPlan:
     """The serving plan of ``model`` (a transformers causal LM) on ``mesh`` for ``target`` (``"latency"`` or
     ``"throughput"``); ``options`` go to `plan_decoding` (``profile``, ``memory_limit``, ...). See the module's
-    docstring for what is weighed."""
-    from autotp.api import AUTO, limit_bytes
+    docstring for what is weighed. ``latency_s`` bounds the time a token of the chosen option, for either target."""
+    from autotp.api import AUTO, DEFAULT_PROFILE, limit_bytes
     from autotp.cost.profile import load_profile
 
     if target not in TARGETS:
@@ -120,92 +122,100 @@ def plan_serving(model, mesh, prompt_length: int, max_length: int, *, target: st
     if batch_size < 1 or max_batch < batch_size:
         raise PlanError(f"batch_size ({batch_size}) must be at least 1 and at most max_batch ({max_batch})")
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
-    limit = limit_bytes(options.get("memory_limit", AUTO), load_profile(options.get("profile", "h100-hgx")))
+    limit = limit_bytes(options.get("memory_limit", AUTO), load_profile(options.get("profile", DEFAULT_PROFILE)))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     found = []
     for sub in replica_meshes(mesh):
-        replicas = mesh.size // sub.size
+        trial = _Trial(model, sub, mesh.size // sub.size, prompt_length, max_length, options)
         if limit is not None and weights / sub.size > limit:
-            found.append(ServingOption(sub, replicas, batch_size, note=f"weights alone need "
+            found.append(ServingOption(sub, trial.replicas, batch_size, note=f"weights alone need "
                                        f"{format_bytes(weights // sub.size)} a device"))
             continue
-        first = _planned(model, sub, batch_size, prompt_length, max_length, options)
-        found.append(ServingOption(sub, replicas, batch_size, *first))
-        if target == "throughput" and first[0] is not None:
-            found.extend(_larger(model, sub, replicas, first[0], batch_size, limit, max_batch, prompt_length,
-                                 max_length, options))
+        first = trial.option(batch_size)
+        found.append(first)
+        if target == "throughput" and first.plans is not None:
+            found.extend(_larger(trial, first, limit, max_batch))
     return ServingPlan(_choose(found, target, latency_s, batch_size), tuple(found), target, latency_s)
 
 
 def replica_meshes(mesh: Mesh) -> list[Mesh]:
     """The meshes one replica may span, most devices first: the whole mesh, then each divisor of its innermost
-    axis, on that axis's links."""
-    inner, link = mesh.shape[-1], mesh.links[-1]
-    subs = [mesh] + [Mesh(d, links=link) for d in range(inner, 0, -1) if inner % d == 0 and d != mesh.size]
-    return subs
+    axis, on that axis's links and under its name."""
+    inner, link, name = mesh.shape[-1], mesh.links[-1], mesh.names[-1]
+    return [mesh] + [Mesh(d, names=(name,), links=link) for d in range(inner, 0, -1)
+                     if inner % d == 0 and d != mesh.size]
 
 
-def _planned(model, mesh, batch, prompt_length, max_length, options) -> tuple:
-    """``(plans, "")``, or ``(None, why)`` when no plan at ``batch`` fits the memory limit."""
-    try:
-        return plan_decoding(model, mesh, batch, prompt_length, max_length, **options), ""
-    except MemoryLimitError as error:
-        return None, f"no plan fits: {str(error).splitlines()[0]}"
+@dataclass(frozen=True)
+class _Trial:
+    """What every plan of one replica mesh is made with: `option` plans it at a batch."""
+
+    model: object
+    mesh: Mesh
+    replicas: int
+    prompt_length: int
+    max_length: int
+    options: dict
+
+    def option(self, batch: int) -> ServingOption:
+        """The option at ``batch`` rows; without plans, and the reason, where no plan fits the memory limit."""
+        try:
+            plans = plan_decoding(self.model, self.mesh, batch, self.prompt_length, self.max_length, **self.options)
+        except MemoryLimitError as error:
+            return ServingOption(self.mesh, self.replicas, batch, note=f"no plan fits: {str(error).splitlines()[0]}")
+        return ServingOption(self.mesh, self.replicas, batch, plans)
 
 
-def _larger(model, mesh, replicas, plans, batch, limit, max_batch, prompt_length, max_length, options) -> list:
-    """The options at the larger batches the memory allows, after ``plans`` at ``batch`` rows (`plan_serving`):
-    the last one is the largest found."""
+def _larger(trial: _Trial, first: ServingOption, limit: int | None, max_batch: int) -> list[ServingOption]:
+    """The options at the larger batches the memory allows, after ``first`` (`plan_serving`): the last one is the
+    largest found. Memory is taken as a line in the rows, through the last two points planned (the weights at no
+    rows to begin with); where the batch the line gives does not fit, `_fitting` shrinks it."""
     if limit is None:
-        return [_fitting(model, mesh, replicas, max_batch, batch, prompt_length, max_length, options)]
-    points = [(0, plans.decode.memory["parameters"]), (batch, _peak(plans))]
-    found, least = [], batch
+        return [_fitting(trial, max_batch, first.batch)]
+    points = [(0, first.plans.decode.memory["parameters"]), (first.batch, first.plans.peak_bytes)]
+    found, least = [], first.batch
     for _ in range(_TRIES):
         (b0, m0), (b1, m1) = points[-2:]
         per_row = max(1.0, (m1 - m0) / (b1 - b0))
         wanted = min(max_batch, int(b1 + (limit - m1) / per_row))
         if wanted <= least:
             break
-        option = _fitting(model, mesh, replicas, wanted, least, prompt_length, max_length, options)
+        option = _fitting(trial, wanted, least)
         found.append(option)
         if option.plans is None or option.batch < wanted:  # it had to shrink: the limit is reached
             break
         least = option.batch
-        points.append((option.batch, _peak(option.plans)))
+        points.append((option.batch, option.plans.peak_bytes))
     return found
 
 
-def _peak(plans: DecodingPlans) -> int:
-    return max(plans.prefill.memory["total"], plans.decode.memory["total"])
-
-
-def _fitting(model, mesh, replicas, batch, least, prompt_length, max_length, options) -> ServingOption:
+def _fitting(trial: _Trial, batch: int, least: int) -> ServingOption:
     """The option at ``batch`` rows, or at a tenth fewer while its plan does not fit (not below ``least + 1``)."""
-    note = ""
-    for _ in range(_TRIES):
-        plans, note = _planned(model, mesh, batch, prompt_length, max_length, options)
-        if plans is not None:
-            return ServingOption(mesh, replicas, batch, plans)
-        if batch <= least + 1:
+    option = trial.option(batch)
+    for _ in range(_TRIES - 1):
+        if option.plans is not None or batch <= least + 1:
             break
         batch = max(least + 1, int(batch * _SHRINK))
-    return ServingOption(mesh, replicas, batch, note=note)
+        option = trial.option(batch)
+    return option
 
 
 def _choose(found, target: str, latency_s, batch_size: int) -> ServingOption:
+    """The option ``target`` asks for among those that fit (within ``latency_s`` a token, where given); errors
+    that name the way out where none does."""
     fits = [o for o in found if o.plans is not None]
     if not fits:
         raise MemoryLimitError("no way to serve fits the memory limit on any number of devices: "
                                + "; ".join(f"{o.devices} devices: {o.note}" for o in found)
                                + "; raise memory_limit, shorten max_length, or use a larger mesh")
-    if target == "latency":
-        return min((o for o in fits if o.batch == batch_size), key=lambda o: (o.latency_s, o.devices))
     meets = [o for o in fits if latency_s is None or o.latency_s <= latency_s]
     if not meets:
         best = min(fits, key=lambda o: o.latency_s)
         raise PlanError(f"no option decodes a token within {latency_s * 1e3:.3f} ms: the fastest is "
                         f"{best.latency_s * 1e3:.3f} ms ({best.devices} devices, batch {best.batch}); raise "
                         "latency_s or plan for faster links")
+    if target == "latency":
+        return min((o for o in meets if o.batch == batch_size), key=lambda o: (o.latency_s, o.devices))
     return max(meets, key=lambda o: (o.tokens_per_s, -o.devices))
 
 
@@ -222,8 +232,16 @@ def parallelize_serving(model, serving: ServingPlan, rank: int | None = None, *,
     if world != option.replicas * option.devices:
         raise PlanError(f"the serving plan runs {option.replicas} replicas of {option.devices} devices, but the "
                         f"process group has {world} ranks: launch {option.replicas * option.devices} processes")
-    names = ("replica", *option.mesh.names)
+    names = (_replica_axis(option.mesh), *option.mesh.names)
     device_mesh = init_device_mesh(device_type, (option.replicas, *option.mesh.shape), mesh_dim_names=names)
     replica = device_mesh.get_coordinate()[0]
     local = parallelize_decoding(model, option.plans, rank, device_mesh=device_mesh[option.mesh.names], **options)
     return replica, local
+
+
+def _replica_axis(mesh: Mesh) -> str:
+    """A name for the axis of replicas that none of ``mesh``'s axes has."""
+    name = "replica"
+    while name in mesh.names:
+        name += "_"
+    return name

@@ -81,7 +81,7 @@ def row(name: str, layers: int, prompt: int, max_length: int) -> dict:
             "weights/device": format_bytes(decode.memory["parameters"]),
             "cache/device": format_bytes(decode.memory["buffers"]),
             "prefill peak activations": format_bytes(prefill.memory["activations"]),
-            "memory/device": format_bytes(max(prefill.memory["total"], decode.memory["total"])),
+            "memory/device": format_bytes(plans.peak_bytes),
             "cache layout": ", ".join(cache), "layer 0 (q k v o gate up down)": layer0(decode),
             "planned in s": f"{planned:.1f}", "megatron ms/token": f"{reference * 1e3:.3f}",
             "autotp/megatron": f"{per_token / reference:.3f}"}
@@ -117,6 +117,7 @@ def serving_rows(mesh_shape: str, layers: int, prompt: int, max_length: int) -> 
 
 
 def _table(columns, rows) -> None:
+    """``rows`` (dicts keyed by ``columns``) as a Markdown table."""
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for r in rows:

@@ -5,6 +5,8 @@ exactly as ``model.generate`` does."""
 import pytest
 import torch
 
+import autotp
+
 from autotp.decoding import plan_decoding
 from autotp.errors import MemoryLimitError, PlanError
 from autotp.runtime import spawn
@@ -49,6 +51,10 @@ def test_latency_takes_every_device_and_throughput_takes_replicas_at_the_largest
     best = throughput.chosen
     assert best.devices < 4 and best.replicas == 4 // best.devices and best.batch > 1
     assert best.tokens_per_s == max(o.tokens_per_s for o in throughput.options if o.plans is not None)
+    new = MAX_LENGTH - PROMPT  # each row's new tokens, after its prefill, over the replica's devices
+    step_s = best.plans.prefill.predicted["total_s"] + new * best.plans.decode.predicted["total_s"]
+    assert best.tokens_per_s == pytest.approx(best.batch * new / (step_s * best.devices))
+    assert best.latency_s == best.plans.decode.predicted["total_s"]
     for option in throughput.options:  # every batch planned fits
         assert option.plans is not None and option.memory_bytes <= _limit(make())
     with pytest.raises(MemoryLimitError):  # and one row more than the chosen batch does not
@@ -80,11 +86,13 @@ def test_each_replica_generates_the_tokens_of_generate(serving, target):
 
 
 def test_replica_meshes_and_bad_targets():
-    assert [m.size for m in replica_meshes(__import__("autotp").Mesh("2x4", links="infiniband,nvlink"))] == \
-        [8, 4, 2, 1]
+    subs = replica_meshes(autotp.Mesh("2x4", names=("node", "gpu"), links="infiniband,nvlink"))
+    assert [m.size for m in subs] == [8, 4, 2, 1]
+    assert [(m.names, m.links) for m in subs[1:]] == [(("gpu",), ("nvlink",))] * 3  # the inner axis's
     model = make()
     with pytest.raises(PlanError, match="unknown serving target 'speed'"):
         plan_serving(model, "2", PROMPT, MAX_LENGTH, target="speed")
-    with pytest.raises(PlanError, match="no option decodes a token within 0.000 ms: the fastest is"):
-        plan_serving(model, "2", PROMPT, MAX_LENGTH, latency_s=1e-9, profile=weights_bound_profile(),
-                     max_batch=2)
+    for target in ("latency", "throughput"):  # a latency bound holds for either target
+        with pytest.raises(PlanError, match="no option decodes a token within 0.000 ms: the fastest is"):
+            plan_serving(model, "2", PROMPT, MAX_LENGTH, target=target, latency_s=1e-9,
+                         profile=weights_bound_profile(), max_batch=2)

@@ -15,7 +15,8 @@ recomputed (`autotp.solve.recompute`: forward seconds again, bytes freed,
 one layer's transient), and kinds of gathered inputs that may be gathered
 again in backward (`autotp.solve.regather`: seconds added and bytes freed
 on groups, edge pairs and fan-out items, and seconds alone on pairs that
-keep nothing). Values come from a few levels, so
+keep nothing), and, without the gradients, an inference program's largest
+working set of one group (`autotp.solve.working`). Values come from a few levels, so
 ties abound. Every plan, each class recomputed or not, each kind regathered
 or not, is enumerated and priced by `autotp.solve.step`:
 
@@ -99,6 +100,9 @@ def _random_problem(rng: random.Random) -> Problem:
         problem.partial_recompute = rng.random() < 0.5
     if rng.random() < 0.5:
         _random_regather(rng, problem, rng.sample(KINDS, rng.randint(1, 2)))
+    if not problem.peak_in_backward and rng.random() < 0.5:  # inference: the largest working set of one group
+        problem.working = {g: [rng.choice([0, 1, 2, 3]) * _BYTES for _ in range(problem.groups[g].n)]
+                           for g in rng.sample(list(problem.groups), rng.randint(1, 3))}
     return problem
 
 

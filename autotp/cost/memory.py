@@ -192,8 +192,10 @@ def working_bytes(op, strategy, mesh, state: frozenset = frozenset()) -> int:
     outputs it makes, on local shapes.
 
     The tensors a forward pass without autograd has alive peak at the op
-    with the largest such set: an attention's scores and their softmax, the
-    MLP's widened activations, the LM head's logits. Inputs that are
+    with the largest such set: an attention's queries, keys, values and mask
+    (its scores and their softmax, where it is decomposed), the MLP's widened
+    activations, the LM head's logits. A tensor an op reads twice counts
+    twice. Inputs that are
     ``state`` (parameters and buffers, counted on their own) and outputs
     that are views or in-place writes add nothing; a tensor alive across the
     op that it does not read (a residual stream) is not counted.

@@ -22,7 +22,10 @@ its optimum is the plan's predicted step time (`autotp.solve.step`):
 
 Coefficients are scaled to microseconds and MiB for the solver's tolerances;
 the objective is reported in seconds. A memory limit is one more linear
-constraint: the sum over groups of each choice's bytes per device. Under a
+constraint: the sum over groups of each choice's bytes per device (with
+one micro-batch of training, one row for each of the peak's two moments),
+and for an inference program one continuous ``working`` at least each
+group's working set (`autotp.solve.working`). Under a
 binding limit each set of regathered kinds (`autotp.solve.regather`) is
 solved as its own problem and the fastest plan kept.
 """
@@ -854,7 +857,8 @@ def _most_plan_bytes(problem: Problem) -> float:
     groups = sum(max((b for b, c in zip(g.memory_bytes, g.cost_s) if math.isfinite(c)), default=0)
                  for g in problem.groups.values())
     edges = sum(max((max(row, default=0) for row in table), default=0) for table in problem.edge_memory.values())
-    return groups + edges + sum(sum(f.memory_bytes) for f in problem.fanouts)
+    working = max((max(values) for values in problem.working.values()), default=0)  # inference's largest
+    return groups + edges + working + sum(sum(f.memory_bytes) for f in problem.fanouts)
 
 
 def _may_fit(problem: Problem, fixed: dict, limit: float, reduce: bool) -> bool:

@@ -4,10 +4,10 @@ Without autograd a forward pass keeps nothing between ops but the program's
 state (parameters, and buffers such as a key/value cache) and tensors on
 their way to their next use. Its peak is therefore the state plus the
 largest working set of one op: the op's inputs and outputs on local shapes
-(`autotp.cost.memory.working_bytes`). At Llama-2-70B's prefill of 64
-prompts of 2048 tokens, one layer's attention scores alone are several GiB,
-so a memory limit that counted the weights and the cache alone would pass
-plans that cannot run.
+(`autotp.cost.memory.working_bytes`). A prefill's attention reads queries,
+keys and values and the mask over the whole cache at once: at Llama-2-70B's
+batch of 64 prompts of 2048 tokens that is GiBs a device, which a memory
+limit that counted the weights and the cache alone would pass.
 
 A plan's working set is the largest over its groups (`working_sets`: per
 group, per choice, the largest among the group's ops). The ILP holds it as
