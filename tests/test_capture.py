@@ -87,3 +87,20 @@ def test_the_captured_module_writes_its_code_when_first_run_and_keeps_its_state(
     fresh = capture(model, (x,))  # its code read first, then printed
     assert _stale(fresh) and fresh.code == fresh.graph.python_code("self").src and not _stale(fresh)
     assert fresh.code in str(fresh)
+
+
+def test_a_model_file_under_a_folder_named_autotp_keeps_its_line(tmp_path):
+    """Frames are told apart by the packages' own folders, not by a name in the path: a user's file in a clone or
+    a project folder named ``autotp`` is the user's, and the error names its line."""
+    import importlib.util
+
+    folder = tmp_path / "autotp" / "torch"
+    folder.mkdir(parents=True)
+    (folder / "user_model.py").write_text(
+        "import torch\n\n\nclass DataDependent(torch.nn.Module):\n    def forward(self, x):\n"
+        "        if x.sum() > 0:\n            return x\n        return -x\n")
+    spec = importlib.util.spec_from_file_location("user_model", folder / "user_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(CaptureError, match=r"autotp/torch/user_model\.py:6 \(if x\.sum\(\) > 0:\)"):
+        capture(module.DataDependent(), (torch.randn(3),))

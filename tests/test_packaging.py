@@ -1,8 +1,9 @@
 """A wheel that installs: built from pyproject.toml, installed into a fresh virtual environment, and used from a
 directory outside the checkout, it loads its shipped profiles by name, runs as ``python -m autotp``, and plans.
 
-The environment sees this machine's packages (``--system-site-packages``: torch is not downloaded); the wheel's
-own autotp comes first on its path.
+The environment sees the packages of the interpreter running the suite (its site-packages listed in a ``.pth``
+file: torch is not downloaded), whether that is a virtual environment or the system's; the wheel's own autotp
+comes first on its path.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import sysconfig
 import venv
 from pathlib import Path
 
@@ -37,8 +39,9 @@ def test_the_wheel_installs_and_finds_its_profiles(tmp_path):
                     "-w", str(wheels)], check=True, capture_output=True)
     wheel = next(wheels.glob("autotp-*.whl"))
     env = tmp_path / "env"
-    venv.create(env, system_site_packages=True, with_pip=False)
+    venv.create(env, with_pip=False)
     python = env / "bin" / "python"
+    _see_running_packages(python)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
                    check=True, capture_output=True)
     elsewhere = tmp_path / "elsewhere"
@@ -48,3 +51,13 @@ def test_the_wheel_installs_and_finds_its_profiles(tmp_path):
     assert run.stdout.startswith("ok ") and "share/autotp/cost_models" in run.stdout and run.stdout.endswith("True\n")
     module = subprocess.run([str(python), "-m", "autotp", "--help"], cwd=elsewhere, capture_output=True, text=True)
     assert module.returncode == 0 and "calibrate" in module.stdout, module.stderr[-2000:]
+
+
+def _see_running_packages(python: Path) -> None:
+    """Put the running interpreter's site-packages on ``python``'s path, after its own (``--system-site-packages``
+    would give the base interpreter's instead, which lacks torch when the suite runs in a virtual environment).
+    Listed as plain path entries, their ``.pth`` files are not read, so an editable autotp there stays hidden."""
+    own = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    running = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    (Path(own) / "_running_packages.pth").write_text("".join(f"{d}\n" for d in running))

@@ -10,6 +10,7 @@ the lowering rewrites.
 from __future__ import annotations
 
 import inspect
+import os
 import traceback
 
 import torch
@@ -29,10 +30,21 @@ _SHAPE_WORDS = ("shape", "size of tensor", "reduction dim", "dimension", "must m
 def _describe_export_failure(exc: Exception) -> str:
     """The user-code line where tracing failed, so the error names the failing op or line."""
     frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if "/torch/" not in f.filename and "/autotp/" not in f.filename]
+    user = [f for f in frames if not _in_package(f.filename)]
+    user = [f for f in user if not f.filename.startswith("<")] or user  # a real file before generated code
     where = f" at {user[-1].filename}:{user[-1].lineno} ({user[-1].line})" if user else ""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"{type(exc).__name__}: {first}{where}"
+
+
+_AUTOTP = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # autotp/capture/export.py -> autotp/
+_PACKAGES = tuple(os.path.join(d, "") for d in (os.path.dirname(os.path.realpath(torch.__file__)), _AUTOTP))
+
+
+def _in_package(filename: str) -> bool:
+    """Whether a traceback frame's file is torch's or autotp's own, told by where the packages are installed (a
+    user's file under a folder that happens to be named ``autotp`` or ``torch`` is the user's)."""
+    return os.path.realpath(filename).startswith(_PACKAGES)
 
 
 def _describe_inputs(args: tuple, kwargs: dict) -> str:
