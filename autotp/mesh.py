@@ -31,8 +31,12 @@ def _parse_shape(shape) -> tuple[int, ...]:
         if not all(p.strip().isdigit() for p in parts):
             raise MeshError(f"mesh {shape!r} is not of the form '4' or '2x4': write the axis sizes joined by 'x'")
         shape = tuple(int(p) for p in parts)
-    shape = tuple(shape)
-    if not shape or not all(isinstance(s, int) and s >= 1 for s in shape):
+    try:
+        shape = tuple(shape)
+    except TypeError:  # a float or another scalar: not a shape at all
+        raise MeshError(f"mesh shape {shape!r} must be a size (4), a string ('2x4') or a tuple of sizes "
+                        "((2, 4))") from None
+    if not shape or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape):
         raise MeshError(f"mesh shape {shape!r} must be one or more positive integers, e.g. (2, 4)")
     return shape
 

@@ -15,6 +15,8 @@ class SizeError(AutotpError, ValueError):
 def parse_bytes(value) -> int:
     """``"64MiB"`` -> 67108864, ``"80GB"`` -> 80e9 (decimal, as GPU memory is sold), ints pass through."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise SizeError(f"size {value!r} must be a positive number of bytes (or of the form 80GB, 64MiB)")
         return int(value)
     text = str(value).strip().lower().replace(" ", "")
     for unit, scale in _UNITS.items():

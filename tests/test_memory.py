@@ -81,6 +81,9 @@ def test_sizes():
     assert parse_bytes("80GB") == 80 * 10 ** 9 and parse_bytes("64MiB") == 64 * 2 ** 20 and parse_bytes(7) == 7
     with pytest.raises(ValueError, match="80GB"):
         parse_bytes("lots")
+    for nothing in (-1, 0):  # `plan(memory_limit=-1)` fails at once, not after its capture
+        with pytest.raises(ValueError, match="must be a positive number of bytes"):
+            parse_bytes(nothing)
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])

@@ -22,7 +22,8 @@ def test_row_major_coordinates_like_init_device_mesh():
     assert mesh.axis_groups(0) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
-@pytest.mark.parametrize("bad, words", [("2y4", "2x4"), ("0", "positive"), ("", "2x4")])
+@pytest.mark.parametrize("bad, words", [("2y4", "2x4"), ("0", "positive"), ("", "2x4"), (2.5, r"a size \(4\)"),
+                                        (True, "positive"), ((2, 0), "positive")])
 def test_bad_shape_says_what_to_write(bad, words):
     with pytest.raises(MeshError, match=words):
         Mesh(bad)
