@@ -60,13 +60,20 @@ def train(module, plan=None, rank=0) -> tuple[list[float], object]:
     return losses, module
 
 
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """A rank module's parameter as one tensor: its parameters are DTensors with the plan's placements."""
+    from torch.distributed.tensor import DTensor
+
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
 def run_rank(rank, world, plan):
     """This rank's losses and its errors against one process trained on the whole batches (here, alike)."""
     model, _ = model_and_batches()
     losses, local = train(autotp.parallelize(model, plan), plan, rank)
     reference_losses, reference = train(model_and_batches()[0])
     params = dict(reference.named_parameters())
-    param_error = max(float((p - params[name]).detach().abs().max()) for name, p in local.named_parameters())
+    param_error = max(float((_whole(p) - params[name]).detach().abs().max()) for name, p in local.named_parameters())
     loss_error = max(abs(a - b) for a, b in zip(losses, reference_losses))
     return losses, reference_losses, loss_error, param_error
 
